@@ -1,0 +1,3 @@
+from aftgen.cli import app
+
+app(prog_name="aftgen")

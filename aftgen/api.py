@@ -1,0 +1,32 @@
+"""The library's front door: `load` a model from a folder, a Hub id or the shipped default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aftgen.checkpoint import load_checkpoint
+from aftgen.errors import AftgenError
+from aftgen.model import AFTLM
+from aftgen.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "shakespeare"
+
+
+def default_model_path() -> Path:
+    """The model shipped inside the package (models/shakespeare in the source tree)."""
+    from importlib.resources import files
+
+    return Path(str(files("aftgen.models") / DEFAULT_MODEL))
+
+
+def load(path: str | Path | None = None) -> tuple[AFTLM, Tokenizer]:
+    """Load (model, tokenizer) from a checkpoint folder; None means the shipped default model."""
+    if path is None:
+        location = default_model_path()
+        if not (location / "config.json").exists():
+            raise AftgenError("the shipped default model is missing from this install; pass --model PATH")
+        return load_checkpoint(location)
+    location = Path(path)
+    if not location.exists():
+        raise AftgenError(f"{path}: no such checkpoint folder")
+    return load_checkpoint(location)

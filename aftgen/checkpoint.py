@@ -1,0 +1,110 @@
+"""Checkpoints: a folder shaped like a Hugging Face model repo, loaded without pickle.
+
+    config.json         architecture (validated field by field)
+    model.safetensors   fp32 weights (verified against the config: names, shapes, dtypes)
+    tokenizer.model     SentencePiece model
+    README.md           model card
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from aftgen.errors import AftgenError
+from aftgen.files import atomic_write
+from aftgen.model import AFTLM, AFTConfig
+from aftgen.tokenizer import Tokenizer
+
+CONFIG, WEIGHTS, TOKENIZER, CARD = "config.json", "model.safetensors", "tokenizer.model", "README.md"
+CHECKPOINT_FILES = (CONFIG, WEIGHTS, TOKENIZER)
+MODEL_TYPE = "aftgen"
+FORMAT_VERSION = 1
+
+
+def save_checkpoint(directory: Path | str, model: AFTLM, tokenizer: Tokenizer, card: str | None = None) -> None:
+    """Write weights, tokenizer, model card and config, each atomically.
+
+    config.json goes last, so a folder that has one held a complete checkpoint when it was written.
+    """
+    directory = Path(directory)
+    weights = {name: t.detach().float().cpu().contiguous() for name, t in model.state_dict().items()}
+    atomic_write(directory / WEIGHTS, save_safetensors(weights, metadata={"format": "pt"}))
+    atomic_write(directory / TOKENIZER, tokenizer.model_proto)
+    if card is not None:
+        atomic_write(directory / CARD, card)
+    config = {"model_type": MODEL_TYPE, "format_version": FORMAT_VERSION, **model.config.to_dict()}
+    atomic_write(directory / CONFIG, json.dumps(config, indent=2) + "\n")
+
+
+def is_checkpoint(directory: Path | str) -> bool:
+    return all((Path(directory) / name).is_file() for name in CHECKPOINT_FILES)
+
+
+def read_config(directory: Path | str) -> AFTConfig:
+    """Parse and validate config.json."""
+    path = Path(directory) / CONFIG
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AftgenError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise AftgenError(f"{path}: must hold a JSON object")
+    data = dict(data)
+    model_type = data.pop("model_type", None)
+    if model_type != MODEL_TYPE:
+        raise AftgenError(f"{path}: model_type is {model_type!r}, not 'aftgen'; this is not an aftgen checkpoint")
+    version = data.pop("format_version", None)
+    if version != FORMAT_VERSION:
+        raise AftgenError(f"{path}: format_version {version!r} is not supported (expected {FORMAT_VERSION})")
+    try:
+        return AFTConfig.from_dict(data)
+    except AftgenError as exc:
+        raise AftgenError(f"{path}: {exc}") from None
+
+
+def load_weights(path: Path, model: AFTLM) -> None:
+    """Load safetensors weights into `model`, refusing any missing, extra or misshapen tensor."""
+    try:
+        tensors = load_safetensors(path.read_bytes())
+    except (SafetensorError, ValueError, OSError) as exc:
+        raise AftgenError(f"{path}: cannot read weights ({exc}); the file may be truncated or corrupt") from None
+    expected = model.state_dict()
+    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or extra:
+        detail = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
+        raise AftgenError(f"{path}: weights do not match config.json ({detail})")
+    for name, tensor in tensors.items():
+        want = expected[name]
+        if tensor.shape != want.shape or tensor.dtype != want.dtype:
+            raise AftgenError(
+                f"{path}: tensor '{name}' is {tensor.dtype} {tuple(tensor.shape)}, "
+                f"config.json needs {want.dtype} {tuple(want.shape)}"
+            )
+        if not torch.isfinite(tensor).all():
+            raise AftgenError(f"{path}: tensor '{name}' holds NaN or inf")
+    model.load_state_dict(tensors)
+
+
+def load_checkpoint(directory: Path | str) -> tuple[AFTLM, Tokenizer]:
+    """Load a local checkpoint folder as (model in eval mode, tokenizer)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise AftgenError(f"{directory}: no such checkpoint folder")
+    missing = [name for name in CHECKPOINT_FILES if not (directory / name).is_file()]
+    if missing:
+        raise AftgenError(f"{directory}: not an aftgen checkpoint (missing {', '.join(missing)})")
+    config = read_config(directory)
+    tokenizer = Tokenizer.load(directory / TOKENIZER)
+    if tokenizer.vocab_size != config.vocab_size:
+        raise AftgenError(
+            f"{directory}: tokenizer has {tokenizer.vocab_size} pieces but config.json says vocab_size {config.vocab_size}"
+        )
+    model = AFTLM(config)
+    load_weights(directory / WEIGHTS, model)
+    return model.eval(), tokenizer

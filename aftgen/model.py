@@ -1,0 +1,172 @@
+"""The aftgen language model: pre-LayerNorm residual blocks of a token mixer and an MLP, tied embeddings.
+
+Training reads whole sequences through the mixer's parallel form; generation feeds one token at a
+time through its step form, carrying a per-layer state whose size never depends on how many tokens
+came before.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from aftgen.errors import AftgenError
+from aftgen.mixer import AFTLocalMixer, MixerState
+
+MIXERS = ("aft_local",)
+
+ModelState = list[MixerState]
+
+
+@dataclass
+class AFTConfig:
+    """Architecture of an aftgen model; stored as config.json beside the weights."""
+
+    vocab_size: int
+    n_layer: int = 4
+    n_embd: int = 256
+    n_head: int = 4
+    window: int = 32
+    context_length: int = 256
+    mixer: str = "aft_local"
+    decay: bool = True
+    dropout: float = 0.0
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise AftgenError naming the first field whose type or range is wrong."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            expected = {"int": int, "str": str, "bool": bool, "float": (int, float)}[str(f.type)]
+            if isinstance(value, bool) and expected is not bool or not isinstance(value, expected):
+                raise AftgenError(f"config field '{f.name}' must be {f.type}, got {value!r}")
+        positive = ("vocab_size", "n_layer", "n_embd", "n_head", "context_length", "mlp_ratio")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise AftgenError(f"config field '{name}' must be positive, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise AftgenError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+        if not 0 <= self.window <= self.context_length:
+            raise AftgenError(f"window ({self.window}) must be between 0 and context_length ({self.context_length})")
+        if self.mixer not in MIXERS:
+            raise AftgenError(f"unknown mixer '{self.mixer}'; choose one of: {', '.join(MIXERS)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise AftgenError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object) -> AFTConfig:
+        """Build a config from parsed JSON, refusing unknown keys and wrong types."""
+        if not isinstance(data, dict):
+            raise AftgenError("config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise AftgenError(f"config has unknown keys: {', '.join(unknown)}")
+        if "vocab_size" not in data:
+            raise AftgenError("config is missing 'vocab_size'")
+        return cls(**data)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: AFTConfig):
+        super().__init__()
+        self.up = nn.Linear(config.n_embd, config.mlp_ratio * config.n_embd)
+        self.proj = nn.Linear(config.mlp_ratio * config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: AFTConfig):
+        super().__init__()
+        self.ln_mix = nn.LayerNorm(config.n_embd)
+        self.mixer = AFTLocalMixer(config.n_embd, config.n_head, config.window, config.context_length, config.decay)
+        self.ln_mlp = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, state=None, return_state=False):
+        mixed, state = self.mixer(self.ln_mix(x), state, return_state)
+        x = x + self.dropout(mixed)
+        return x + self.dropout(self.mlp(self.ln_mlp(x))), state
+
+    def step(self, x, state):
+        x = x + self.mixer.step(self.ln_mix(x), state)
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class AFTLM(nn.Module):
+    """Causal language model. `model(ids)` gives logits; `prefill`/`step` carry a recurrent state."""
+
+    def __init__(self, config: AFTConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_out = nn.LayerNorm(config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):  # GPT-2's scaling of residual projections
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.ln_out(x), self.embed.weight)  # tied input/output embeddings
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids (B, T), read in parallel from an empty context."""
+        x = self.dropout(self.embed(ids))
+        for block in self.blocks:
+            x, _ = block(x)
+        return self._logits(x)
+
+    def initial_state(self, batch_size: int = 1) -> ModelState:
+        """The recurrent state before any token, one entry per layer."""
+        device = self.embed.weight.device
+        return [block.mixer.initial_state(batch_size, device) for block in self.blocks]
+
+    def prefill(self, ids: torch.Tensor, state: ModelState | None = None) -> tuple[torch.Tensor, ModelState]:
+        """Read ids (B, T) in the parallel form, continuing from `state`; return logits and the new state."""
+        x = self.embed(ids)
+        states = state or [None] * len(self.blocks)
+        new_states = []
+        for block, layer_state in zip(self.blocks, states, strict=True):
+            x, layer_state = block(x, layer_state, return_state=True)
+            new_states.append(layer_state)
+        return self._logits(x), new_states
+
+    def step(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
+        """Feed one token per sequence, ids (B,); return logits (B, vocab). Updates `state` in place."""
+        x = self.embed(ids)
+        for block, layer_state in zip(self.blocks, state, strict=True):
+            x = block.step(x, layer_state)
+        return self._logits(x), state
+
+
+def clone_state(state: ModelState, repeat: int = 1) -> ModelState:
+    """A copy of a state, each sequence repeated `repeat` times along the batch."""
+    return [
+        {name: t.clone() if t.dim() == 0 else t.repeat_interleave(repeat, dim=0) for name, t in layer.items()}
+        for layer in state
+    ]

@@ -1,0 +1,149 @@
+"""SentencePiece tokenizer with byte fallback and no normalisation: decode(encode(text)) == text.
+
+SentencePiece writes spaces as the meta symbol U+2581, so a literal U+2581 in the text would come
+back as a space. We escape it (and our escape character) before encoding, which keeps the round
+trip exact for any Unicode text.
+"""
+
+from __future__ import annotations
+
+import codecs
+import io
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import sentencepiece as spm
+
+from aftgen.errors import AftgenError
+
+TOKENIZER_TYPES = ("bpe", "unigram", "char")
+_ESCAPE = "\ue000"  # private-use code point: ESC ESC is a literal ESC, ESC + "s" a literal U+2581
+_META = "\u2581"
+_UNESCAPE = re.compile(_ESCAPE + "(.)", re.DOTALL)
+_TOO_HIGH = re.compile(r"value <= (\d+)")
+_TOO_LOW = re.compile(r"smaller than required_chars\. \d+ vs (\d+)")
+
+
+def _escape(text: str) -> str:
+    return text.replace(_ESCAPE, _ESCAPE + _ESCAPE).replace(_META, _ESCAPE + "s")
+
+
+def _unescape(text: str) -> str:
+    return _UNESCAPE.sub(lambda m: _ESCAPE if m.group(1) == _ESCAPE else _META, text)
+
+
+class Tokenizer:
+    """Text <-> token ids, plus a streaming decoder for generation."""
+
+    def __init__(self, model_proto: bytes):
+        self.model_proto = model_proto
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.LoadFromSerializedProto(model_proto)
+        except Exception as exc:  # sentencepiece raises plain RuntimeError/OSError on bad files
+            raise AftgenError(f"tokenizer.model is not a valid SentencePiece model ({exc})") from None
+        self._piece_bytes = [self._bytes_of(i) for i in range(self.sp.get_piece_size())]
+
+    @classmethod
+    def load(cls, path: Path) -> Tokenizer:
+        return cls(Path(path).read_bytes())
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    @property
+    def bos_id(self) -> int:
+        return self.sp.bos_id()
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(_escape(text))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return _unescape(self.sp.decode(list(ids)))
+
+    def _bytes_of(self, token: int) -> bytes:
+        if self.sp.is_byte(token):
+            return bytes([int(self.sp.id_to_piece(token)[1:-1], 16)])  # "<0xAB>"
+        if self.sp.is_control(token) or self.sp.is_unknown(token):
+            return b""
+        return self.sp.id_to_piece(token).replace(_META, " ").encode("utf-8")
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Turns tokens into text as they arrive, only ever emitting whole characters."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._piece_bytes = tokenizer._piece_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending_escape = ""
+
+    def feed(self, token: int) -> str:
+        return self._unescape(self._utf8.decode(self._piece_bytes[token]))
+
+    def flush(self) -> str:
+        return self._unescape(self._utf8.decode(b"", final=True)) + self._pending_escape
+
+    def _unescape(self, text: str) -> str:
+        text = self._pending_escape + text
+        self._pending_escape = _ESCAPE if _ESCAPE_OPEN.search(text) else ""
+        return _unescape(text[: len(text) - len(self._pending_escape)])
+
+
+_ESCAPE_OPEN = re.compile(f"(?<!{_ESCAPE})(?:{_ESCAPE}{_ESCAPE})*{_ESCAPE}$")
+
+
+def train_tokenizer(text: str, vocab_size: int, kind: str = "bpe", log=print) -> Tokenizer:
+    """Train a SentencePiece model on `text`; a vocabulary too big for the text is clamped, with a message."""
+    if kind not in TOKENIZER_TYPES:
+        raise AftgenError(f"unknown tokenizer type '{kind}'; choose one of: {', '.join(TOKENIZER_TYPES)}")
+    if vocab_size < 260 and kind != "char":
+        raise AftgenError(f"--vocab-size must be at least 260 (256 byte pieces + specials), got {vocab_size}")
+    escaped = _escape(text)
+    for _ in range(3):
+        proto = io.BytesIO()
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=_pieces_of(escaped),
+                model_writer=proto,
+                model_type=kind,
+                vocab_size=vocab_size,
+                hard_vocab_limit=kind != "char",  # a char model's size is set by the text
+                byte_fallback=True,
+                normalization_rule_name="identity",
+                add_dummy_prefix=False,
+                remove_extra_whitespaces=False,
+                allow_whitespace_only_pieces=True,
+                split_digits=True,
+                character_coverage=1.0,
+                max_sentence_length=1 << 16,
+                num_threads=2,
+                minloglevel=2,
+            )
+        except RuntimeError as exc:
+            too_high, too_low = _TOO_HIGH.search(str(exc)), _TOO_LOW.search(str(exc))
+            if too_high:
+                smaller = int(too_high.group(1))
+                if smaller < 260:
+                    raise AftgenError("the corpus is too small to train a tokenizer; give it more text") from None
+                log(f"vocabulary size {vocab_size} is too large for this corpus; using {smaller}")
+                vocab_size = smaller
+            elif too_low:
+                larger = int(too_low.group(1))
+                log(f"vocabulary size {vocab_size} cannot hold every character of this corpus; using {larger}")
+                vocab_size = larger
+            else:
+                raise AftgenError(f"tokenizer training failed: {exc}") from None
+            continue
+        return Tokenizer(proto.getvalue())
+    raise AftgenError("tokenizer training failed")
+
+
+def _pieces_of(text: str, size: int = 4096) -> Iterator[str]:
+    """Feed the trainer text in slices (newlines kept inside, so pieces may span them)."""
+    for start in range(0, len(text), size):
+        yield text[start : start + size]

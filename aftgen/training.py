@@ -1,0 +1,448 @@
+"""Training: AdamW with warmup and cosine decay, periodic held-out eval, atomic checkpoints, exact resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from aftgen import data
+from aftgen.checkpoint import save_checkpoint
+from aftgen.errors import AftgenError
+from aftgen.evaluate import evaluate_text
+from aftgen.files import atomic_write
+from aftgen.model import AFTLM, AFTConfig
+from aftgen.tokenizer import Tokenizer
+
+TRAINING_STATE, TRAINING_INFO, METRICS = "training_state.safetensors", "training.json", "metrics.jsonl"
+
+# Model sizes. "small" is the default, sized to learn a 1 MB corpus well in minutes on 2 CPU cores.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(n_layer=2, n_embd=32, n_head=2, window=8, context_length=32, batch_size=8),
+    "small": dict(n_layer=4, n_embd=192, n_head=6, window=32, context_length=128, batch_size=16),
+    "medium": dict(n_layer=6, n_embd=384, n_head=6, window=32, context_length=256, batch_size=16, dropout=0.2),
+}
+MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "window", "context_length", "dropout", "decay", "mixer")
+
+
+@dataclass
+class TrainOptions:
+    """Everything `aftgen train` can be told; None means "from the preset"."""
+
+    corpus: Path
+    out: Path | None = None
+    preset: str = "small"
+    n_layer: int | None = None
+    n_embd: int | None = None
+    n_head: int | None = None
+    window: int | None = None
+    context_length: int | None = None
+    batch_size: int | None = None
+    dropout: float | None = None
+    decay: bool | None = None
+    mixer: str | None = None
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    warmup_steps: int = 100
+    grad_clip: float = 1.0
+    max_steps: int = 5000
+    max_time: float | None = None
+    eval_interval: int = 250
+    eval_windows: int = 32
+    seed: int = 1337
+    vocab_size: int = 1024
+    tokenizer_type: str = "bpe"
+    encoding: str = "utf-8"
+    errors: str = "strict"
+    resume: bool = False
+    overwrite: bool = False
+    command: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def resolved(self) -> dict:
+        """The preset with explicit options laid over it."""
+        if self.preset not in PRESETS:
+            raise AftgenError(f"unknown preset '{self.preset}'; choose one of: {', '.join(PRESETS)}")
+        settings = {"dropout": 0.0, "decay": True, "mixer": "aft_local", **PRESETS[self.preset]}
+        for name in (*MODEL_FIELDS, "batch_size"):
+            if getattr(self, name) is not None:
+                settings[name] = getattr(self, name)
+        return settings
+
+    def check(self) -> None:
+        """Refuse out-of-range values before any work is done."""
+        for name in ("lr", "max_steps", "eval_interval", "eval_windows", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise AftgenError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.max_time is not None and self.max_time <= 0:
+            raise AftgenError(f"--max-time must be positive, got {self.max_time}")
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise AftgenError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
+        if self.errors not in ("strict", "replace", "ignore"):
+            raise AftgenError(f"--errors must be strict, replace or ignore, got '{self.errors}'")
+        settings = self.resolved()
+        if settings["batch_size"] <= 0:
+            raise AftgenError(f"--batch-size must be positive, got {settings['batch_size']}")
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '10m', '1.5h' -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    text = text.strip().lower()
+    scale = units.get(text[-1:], None)
+    number = text[:-1] if scale else text
+    try:
+        seconds = float(number) * (scale or 1)
+    except ValueError:
+        raise AftgenError(f"cannot read duration '{text}'; use seconds or a unit, e.g. 150, 90s, 10m, 1h") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise AftgenError(f"duration must be positive, got '{text}'")
+    return seconds
+
+
+def learning_rate(options: TrainOptions, step: int, progress: float) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr as progress goes 0 -> 1."""
+    if step < options.warmup_steps:
+        return options.lr * (step + 1) / options.warmup_steps
+    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return options.lr * (options.min_lr_ratio + (1 - options.min_lr_ratio) * cosine)
+
+
+def make_optimizer(model: AFTLM, options: TrainOptions) -> torch.optim.AdamW:
+    """AdamW; weight decay only on matrices (not biases, norms, position biases or decays)."""
+    matrices = [p for name, p in model.named_parameters() if p.dim() >= 2 and not name.endswith(".w")]
+    others = [p for name, p in model.named_parameters() if not (p.dim() >= 2 and not name.endswith(".w"))]
+    groups = [
+        {"params": matrices, "weight_decay": options.weight_decay},
+        {"params": others, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=options.lr, betas=(0.9, 0.99))
+
+
+class Reporter:
+    """Progress on stderr: a rich progress bar on a terminal, plain log lines otherwise."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self.live = sys.stderr.isatty() and not quiet
+        self.progress = None
+        if self.live:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("step {task.fields[step]:>6}"),
+                BarColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+            )
+            self.task = self.progress.add_task("train", total=1.0, status="", step=0)
+
+    def __enter__(self) -> Reporter:
+        if self.progress:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress:
+            self.progress.stop()
+
+    def log(self, message: str) -> None:
+        if self.quiet:
+            return
+        if self.progress:
+            self.progress.console.print(message)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    def update(self, step: int, progress: float, status: str) -> None:
+        if self.progress:
+            self.progress.update(self.task, completed=min(progress, 1.0), status=status, step=step)
+
+
+class _Interrupts:
+    """First SIGINT/SIGTERM asks the loop to save and stop; a second one stops at once."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+
+    def __enter__(self) -> _Interrupts:
+        self.previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in self.previous:
+            signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+
+def _held_out_loss(model: AFTLM, ids: torch.Tensor, length: int, windows: int) -> float:
+    """Mean nats per token over evenly spaced fixed windows of the held-out ids (quick, deterministic)."""
+    count = max(1, min(windows, (len(ids) - 1) // length))
+    stride = max(1, (len(ids) - length - 1) // count)
+    rows = torch.stack([ids[i * stride : i * stride + length + 1] for i in range(count)]).long()
+    was_training = model.training
+    model.eval()
+    with torch.inference_mode():
+        logits = model(rows[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+    model.train(was_training)
+    return float(loss)
+
+
+def _save_training_state(out: Path, model: AFTLM, optimizer, generator: torch.Generator, info: dict) -> None:
+    """Model, optimiser moments and RNG states in one safetensors file (one atomic write, no pickle)."""
+    opt = optimizer.state_dict()
+    tensors = {f"model.{k}": v.detach().float().contiguous() for k, v in model.state_dict().items()}
+    for index, slots in opt["state"].items():
+        for key, value in slots.items():
+            tensors[f"optimizer.{index}.{key}"] = torch.as_tensor(value).float().contiguous()
+    tensors["rng.torch"] = torch.get_rng_state()
+    tensors["rng.data"] = generator.get_state()
+    groups = [{k: v for k, v in group.items() if k != "params"} | {"params": group["params"]} for group in opt["param_groups"]]
+    metadata = {"info": json.dumps(info), "param_groups": json.dumps(groups)}
+    atomic_write(out / TRAINING_STATE, save_safetensors(tensors, metadata=metadata))
+
+
+def _load_training_state(out: Path, model: AFTLM, optimizer, generator: torch.Generator) -> dict:
+    path = out / TRAINING_STATE
+    try:
+        raw = path.read_bytes()
+        tensors = load_safetensors(raw)
+        from safetensors import safe_open  # metadata lives in the header
+
+        with safe_open(str(path), "pt") as handle:
+            metadata = handle.metadata()
+        info, groups = json.loads(metadata["info"]), json.loads(metadata["param_groups"])
+    except (OSError, SafetensorError, ValueError, KeyError, TypeError) as exc:
+        raise AftgenError(f"{path}: cannot read training state ({exc}); start again with --overwrite") from None
+    model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
+    state: dict[int, dict] = {}
+    for name, value in tensors.items():
+        if name.startswith("optimizer."):
+            _, index, key = name.split(".", 2)
+            state.setdefault(int(index), {})[key] = value
+    for group in groups:
+        group["betas"] = tuple(group["betas"])
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    torch.set_rng_state(tensors["rng.torch"])
+    generator.set_state(tensors["rng.data"])
+    return info
+
+
+def _write_metrics(out: Path, rows: list[dict]) -> None:
+    atomic_write(out / METRICS, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def _read_metrics(out: Path) -> list[dict]:
+    path = out / METRICS
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str = "") -> str:
+    """A Hub-style README.md for a run."""
+    last = metrics[-1] if metrics else {}
+    final = info.get("final_eval") or {}
+    lines = [
+        "---",
+        "library_name: aftgen",
+        "license: mit",
+        "tags: [aftgen, attention-free-transformer, text-generation]",
+        "---",
+        f"# {info.get('name', 'aftgen model')}",
+        "",
+        "A causal AFT-local language model (Attention Free Transformer, Zhai et al. 2021) trained with",
+        "[aftgen](https://github.com/). It generates through a recurrent decoder whose memory and per-token",
+        "cost stay constant however long the context grows.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| parameters | {info.get('parameters', '?'):,} |" if isinstance(info.get("parameters"), int) else "| parameters | ? |",
+        f"| layers / width / heads | {config.n_layer} / {config.n_embd} / {config.n_head} |",
+        f"| mixer / window / training length | {config.mixer} / {config.window} / {config.context_length} tokens |",
+        f"| vocabulary | {config.vocab_size} ({info.get('tokenizer_type', '?')}) |",
+        f"| steps / wall time | {info.get('step', '?')} / {info.get('elapsed', 0):.0f} s |",
+    ]
+    if final:
+        lines.append(
+            f"| held-out (last 10%) | {final['nats_per_char']:.4f} nats/char, {final['bits_per_char']:.4f} bits/char |"
+        )
+    elif last:
+        lines.append(f"| held-out (quick eval) | {last['held_out_nats_per_char']:.4f} nats/char |")
+    lines += ["", "Trained with:", "", "```", info.get("command", "aftgen train ..."), "```", ""]
+    lines += ["Use it:", "", "```", "aftgen sample --model PATH_OR_HUB_ID --prompt \"...\"", "```", ""]
+    if sample:
+        lines += ["A sample:", "", "```", sample, "```", ""]
+    return "\n".join(lines)
+
+
+def train(options: TrainOptions, quiet: bool = False, on_eval: Callable[[dict], None] | None = None) -> Path:
+    """Train a tokenizer and a model on options.corpus; returns the run folder."""
+    options.check()
+    corpus = Path(options.corpus)
+    out = Path(options.out) if options.out else Path("runs") / corpus.stem
+    settings = options.resolved()
+    if not options.resume and not options.overwrite and (out / TRAINING_INFO).exists():
+        raise AftgenError(f"{out} already holds a run; pass --resume to continue it or --overwrite to replace it")
+    if options.resume and not (out / TRAINING_STATE).exists():
+        raise AftgenError(f"{out} has no training state to resume; drop --resume to start a new run")
+    if options.resume:
+        saved = json.loads((out / TRAINING_INFO).read_text())
+        settings = saved["settings"]
+
+    text = data.read_text(corpus, options.encoding, options.errors)
+    train_text, held_out_text = data.split_text(text)
+    with Reporter(quiet) as reporter:
+        if options.resume:
+            tokenizer = Tokenizer.load(out / "tokenizer.model")
+        else:
+            tokenizer = data.cached_tokenizer(train_text, options.vocab_size, options.tokenizer_type, log=reporter.log)
+        train_ids = data.cached_ids(train_text, tokenizer)
+        held_out_ids = data.cached_ids(held_out_text, tokenizer)
+        length = settings["context_length"]
+        if len(train_ids) < length + 2 or len(held_out_ids) < 2:
+            raise AftgenError(
+                f"{corpus}: too small: {len(train_ids)} training tokens, fewer than one sequence of "
+                f"{length + 1}; give it more text or pass a smaller --context-length"
+            )
+        eval_length = min(length, len(held_out_ids) - 1)
+
+        torch.manual_seed(options.seed)
+        config = AFTConfig(vocab_size=tokenizer.vocab_size, **{k: settings[k] for k in MODEL_FIELDS})
+        model = AFTLM(config)
+        optimizer = make_optimizer(model, options)
+        generator = torch.Generator().manual_seed(options.seed)
+        step, elapsed_before = 0, 0.0
+        metrics = _read_metrics(out) if options.resume else []
+        if options.resume:
+            info = _load_training_state(out, model, optimizer, generator)
+            step, elapsed_before = info["step"], info["elapsed"]
+            reporter.log(f"resuming {out} at step {step}")
+        info = {
+            "name": out.name,
+            "command": options.command,
+            "corpus": str(corpus),
+            "settings": settings,
+            "options": {k: v for k, v in asdict(options).items() if k not in ("corpus", "out", "extra")}
+            | {"out": str(out)},
+            "parameters": model.num_parameters(),
+            "tokenizer_type": options.tokenizer_type,
+        }
+        reporter.log(
+            f"{model.num_parameters():,} parameters, vocabulary {tokenizer.vocab_size}, "
+            f"{len(train_ids):,} training tokens, {len(held_out_ids):,} held-out tokens -> {out}"
+        )
+        chars_per_token = len(held_out_text) / max(1, len(held_out_ids) - 1)
+        batch_size = settings["batch_size"]
+
+        def save(elapsed: float) -> None:
+            state_info = info | {"step": step, "elapsed": elapsed}
+            atomic_write(out / TRAINING_INFO, json.dumps(state_info, indent=2) + "\n")
+            _save_training_state(out, model, optimizer, generator, state_info)
+            save_checkpoint(out, model, tokenizer, model_card(config, state_info, metrics))
+
+        def progress_of(elapsed: float) -> float:
+            by_steps = step / options.max_steps
+            return max(by_steps, elapsed / options.max_time) if options.max_time else by_steps
+
+        model.train()
+        start = time.monotonic()
+        tokens_seen, window_start, loss_sum, loss_count = 0, start, 0.0, 0
+        stopped_by = None
+        with _Interrupts() as interrupts:
+            while progress_of(elapsed_before + time.monotonic() - start) < 1.0:
+                elapsed = elapsed_before + time.monotonic() - start
+                lr = learning_rate(options, step, progress_of(elapsed))
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                inputs, targets = data.batch(train_ids, batch_size, length, generator)
+                logits = model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                if not torch.isfinite(loss):
+                    raise AftgenError(
+                        f"loss became {float(loss)} at step {step + 1}; the last good checkpoint in {out} is kept. "
+                        f"Try a lower learning rate (--lr {options.lr / 3:.2g})"
+                    )
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if options.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), options.grad_clip)
+                optimizer.step()
+                step += 1
+                tokens_seen += inputs.numel()
+                loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
+
+                now = time.monotonic()
+                tokens_per_s = tokens_seen / max(now - window_start, 1e-9)
+                reporter.update(step, progress_of(elapsed), f"loss {loss_sum / loss_count:.3f}  {tokens_per_s:,.0f} tok/s")
+                if step % options.eval_interval == 0:
+                    held_out = _held_out_loss(model, held_out_ids, eval_length, options.eval_windows)
+                    row = {
+                        "step": step,
+                        "elapsed": round(elapsed_before + now - start, 2),
+                        "train_loss": loss_sum / loss_count,
+                        "held_out_nats_per_char": held_out / chars_per_token,
+                        "held_out_bits_per_char": held_out / chars_per_token / math.log(2),
+                        "tokens_per_s": round(tokens_per_s, 1),
+                        "lr": lr,
+                    }
+                    metrics.append(row)
+                    _write_metrics(out, metrics)
+                    reporter.log(
+                        f"step {step}: train loss {row['train_loss']:.4f}, held-out "
+                        f"{row['held_out_nats_per_char']:.4f} nats/char ({row['held_out_bits_per_char']:.4f} bits/char), "
+                        f"{tokens_per_s:,.0f} tok/s"
+                    )
+                    if on_eval:
+                        on_eval(row)
+                    save(elapsed_before + now - start)
+                    loss_sum, loss_count = 0.0, 0
+                    tokens_seen, window_start = 0, time.monotonic()
+                if interrupts.requested:
+                    stopped_by = interrupts.requested
+                    break
+            elapsed = elapsed_before + time.monotonic() - start
+            save(elapsed)
+        if stopped_by:
+            reporter.log(f"{stopped_by}: saved step {step} to {out}; continue with: aftgen train {corpus} --out {out} --resume")
+            raise TrainingInterrupted(out)
+        model.eval()
+        final = evaluate_text(model, tokenizer, held_out_text)
+        info["final_eval"] = final.to_dict()
+        save(elapsed)
+        reporter.log(
+            f"done: {step} steps in {elapsed:.0f} s; held-out {final.nats_per_char:.4f} nats/char "
+            f"({final.bits_per_char:.4f} bits/char)"
+        )
+    return out
+
+
+class TrainingInterrupted(Exception):
+    """Raised after an interrupted run has been saved."""
+
+    def __init__(self, out: Path):
+        super().__init__(str(out))
+        self.out = out
+

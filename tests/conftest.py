@@ -1,0 +1,54 @@
+"""Shared fixtures: a small synthetic corpus and one tiny trained run, made fresh for the session."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+WORDS = (
+    "the king queen lord lady sword crown night day love death heart blood fair foul sweet bitter "
+    "speak hear see know come go stay fly rise fall my thy his her our your good ill old young"
+).split()
+
+
+def make_corpus(chars: int, seed: int = 0) -> str:
+    """Play-like text: speaker lines of random words, reproducible."""
+    rng = random.Random(seed)
+    speakers = ["ROMEO", "JULIET", "KING", "NURSE"]
+    lines = []
+    while sum(len(line) + 1 for line in lines) < chars:
+        lines.append(f"{rng.choice(speakers)}:")
+        for _ in range(rng.randint(1, 3)):
+            words = [rng.choice(WORDS) for _ in range(rng.randint(3, 9))]
+            lines.append(" ".join(words).capitalize() + rng.choice([".", ",", "!", "?"]))
+        lines.append("")
+    return "\n".join(lines)[:chars]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    os.environ["AFTGEN_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "plays.txt"
+    path.write_text(make_corpus(40_000))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, corpus) -> Path:
+    """A tiny model trained for a few steps: enough to exercise every code path quickly."""
+    from aftgen.training import TrainOptions, train
+
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    train(TrainOptions(corpus=corpus, out=out, preset="tiny", max_steps=40, eval_interval=20, vocab_size=400), quiet=True)
+    return out

@@ -1,0 +1,100 @@
+"""The command line end to end: train, sample, eval, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from aftgen.cli import app
+
+runner = CliRunner()
+
+
+def run_cli(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
+    """The real console entry point in a subprocess, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "aftgen", *args], capture_output=True, text=True, input=input, env=os.environ.copy(), timeout=300
+    )
+
+
+def test_sample_is_seeded_and_streams_only_text(tiny_run):
+    args = ["sample", "--model", str(tiny_run), "--prompt", "KING:", "-n", "40", "--seed", "3"]
+    first, second = runner.invoke(app, args), runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert first.stdout == second.stdout
+    assert first.stdout.startswith("KING:")
+    other = runner.invoke(app, [*args[:-1], "4"])
+    assert other.stdout != first.stdout
+    no_echo = runner.invoke(app, [*args, "--no-echo"])
+    assert first.stdout == "KING:" + no_echo.stdout
+
+
+def test_eval_json(tiny_run, corpus):
+    result = runner.invoke(app, ["eval", "--model", str(tiny_run), str(corpus), "--json"])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)
+    assert set(figures) == {"nats_per_token", "nats_per_char", "bits_per_char", "bits_per_byte", "tokens", "chars"}
+    assert figures["chars"] == len(corpus.read_text())
+    assert 0 < figures["nats_per_char"] < figures["nats_per_token"]
+
+
+def test_train_writes_a_checkpoint(tiny_run):
+    for name in ("config.json", "model.safetensors", "tokenizer.model", "README.md", "metrics.jsonl", "training_state.safetensors"):
+        assert (tiny_run / name).is_file(), name
+    rows = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [20, 40]
+    assert {"step", "elapsed", "train_loss", "held_out_nats_per_char", "held_out_bits_per_char"} <= set(rows[0])
+
+
+def test_train_cli_in_subprocess(tmp_path, corpus):
+    out = tmp_path / "run"
+    done = run_cli("train", str(corpus), "--out", str(out), "--preset", "tiny", "--max-steps", "10", "--vocab-size", "300")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(out)
+    again = run_cli("train", str(corpus), "--out", str(out), "--preset", "tiny", "--max-steps", "10")
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+
+
+def _bad_inputs(tmp: Path) -> dict[str, Path]:
+    (tmp / "empty.txt").write_text("")
+    (tmp / "binary.bin").write_bytes(bytes(range(256)) * 4)
+    (tmp / "latin1.txt").write_bytes("caf\xe9 au lait ".encode("latin-1") * 100)
+    (tmp / "small.txt").write_text("tiny corpus\n")
+    (tmp / "spaces.txt").write_text("   \n\n\t ")
+    (tmp / "folder").mkdir()
+    return {p.stem: p for p in tmp.iterdir()}
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("missing", "no such file"),
+        ("empty", "empty"),
+        ("binary", "binary"),
+        ("latin1", "not valid utf-8"),
+        ("small", "too small"),
+        ("spaces", "whitespace"),
+        ("folder", "directory"),
+    ],
+)
+def test_train_bad_corpus_one_line(tmp_path, case, message):
+    files = _bad_inputs(tmp_path)
+    path = files.get(case, tmp_path / "missing.txt")
+    done = run_cli("train", str(path), "--out", str(tmp_path / "run"), "--preset", "tiny", "--max-steps", "2")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], done.stderr
+
+
+def test_not_a_checkpoint(tmp_path, corpus):
+    result = run_cli("sample", "--model", str(tmp_path), "--prompt", "x")
+    assert result.returncode == 2 and "not an aftgen checkpoint" in result.stderr
+    result = run_cli("eval", "--model", str(tmp_path / "nope"), str(corpus))
+    assert result.returncode == 2 and "no such checkpoint" in result.stderr

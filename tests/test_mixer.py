@@ -1,0 +1,136 @@
+"""The AFT-local mixer: parallel form == step form == the naive O(T^2) formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import naive_aft
+
+from aftgen.mixer import aft_parallel, aft_step, empty_state, soft_cap
+from aftgen.model import AFTLM, AFTConfig
+
+
+def random_inputs(B=2, T=40, H=3, D=4, s=5, seed=0, key_scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(3, B, T, H, D, generator=g).unbind(0)
+    w = soft_cap(torch.randn(H, s, generator=g) * 2)
+    decay = torch.rand(H, generator=g) * 0.3
+    return q, soft_cap(k * key_scale), v, w, decay
+
+
+@pytest.mark.parametrize("s,T,chunk", [(5, 40, 8), (0, 21, 4), (8, 50, 8), (3, 9, 16), (6, 64, 6), (4, 33, 64)])
+def test_parallel_matches_naive(s, T, chunk):
+    q, k, v, w, decay = random_inputs(T=T, s=s)
+    y, _ = aft_parallel(q, k, v, w, decay, chunk=chunk)
+    assert (y.double() - naive_aft(q, k, v, w, decay)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("s", [0, 1, 5])
+def test_step_matches_naive(s):
+    q, k, v, w, decay = random_inputs(T=30, s=s)
+    state = empty_state(2, 3, 4, s)
+    ys = torch.stack([aft_step(q[:, t], k[:, t], v[:, t], w, decay, state) for t in range(30)], dim=1)
+    assert (ys.double() - naive_aft(q, k, v, w, decay)).abs().max() < 1e-5
+    assert int(state["position"]) == 30
+
+
+def test_zero_decay_is_the_papers_aft_local():
+    q, k, v, w, _ = random_inputs(T=30, s=4)
+    decay = torch.zeros(3)
+    y, _ = aft_parallel(q, k, v, w, decay, chunk=8)
+    # Beyond the window every token weighs exp(k): check position 29 by hand.
+    t, weights = 29, torch.ones(30, 3)
+    weights[t - 3 : t + 1] = torch.exp(w.flip(1)).T
+    e = torch.exp(k[0, : t + 1]) * weights[:, :, None]
+    expected = torch.sigmoid(q[0, t]) * (e * v[0, : t + 1]).sum(0) / e.sum(0)
+    assert torch.allclose(y[0, t], expected, atol=1e-5)
+
+
+def test_state_carries_across_chunks():
+    q, k, v, w, decay = random_inputs(T=45, s=6)
+    whole, _ = aft_parallel(q, k, v, w, decay, chunk=8)
+    state, parts = None, []
+    for lo, hi in [(0, 7), (7, 8), (8, 30), (30, 45)]:
+        y, state = aft_parallel(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], w, decay, 8, state, return_state=True)
+        parts.append(y)
+    assert (torch.cat(parts, 1) - whole).abs().max() < 1e-5
+    # ...and the step form picks up from a state the parallel form wrote.
+    stepped = empty_state(2, 3, 4, 6)
+    for t in range(45):
+        aft_step(q[:, t], k[:, t], v[:, t], w, decay, stepped)
+    for name in ("window_k", "window_v", "position"):
+        assert torch.allclose(state[name].float(), stepped[name].float(), atol=1e-6)
+    true_prefix = stepped["prefix_num"] * torch.exp(stepped["prefix_max"])
+    assert torch.allclose(state["prefix_num"] * torch.exp(state["prefix_max"]), true_prefix, rtol=1e-4, atol=1e-6)
+
+
+def tiny_model(seed=0, **overrides) -> AFTLM:
+    torch.manual_seed(seed)
+    settings = dict(vocab_size=50, n_layer=2, n_embd=32, n_head=4, window=8, context_length=64) | overrides
+    model = AFTLM(AFTConfig(**settings)).eval()
+    with torch.no_grad():  # non-trivial biases and decays, so the test exercises them
+        for block in model.blocks:
+            block.mixer.w.normal_(0, 1.0)
+            block.mixer.decay_logit.normal_(-3, 1.0)
+    return model
+
+
+def test_model_parallel_equals_recurrent_over_1000_tokens():
+    model = tiny_model()
+    ids = torch.randint(0, 50, (1, 1100), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        parallel = model(ids)
+        state = model.initial_state(1)
+        stepped = torch.stack([model.step(ids[:, t], state)[0] for t in range(ids.shape[1])], dim=1)
+    assert (parallel - stepped).abs().max() <= 1e-4
+
+
+def test_prefill_then_step_equals_parallel():
+    model = tiny_model()
+    ids = torch.randint(0, 50, (2, 150), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        full = model(ids)
+        logits, state = model.prefill(ids[:, :97])
+        rest = [model.step(ids[:, t], state)[0] for t in range(97, 150)]
+    assert (logits - full[:, :97]).abs().max() <= 1e-4
+    assert (torch.stack(rest, 1) - full[:, 97:]).abs().max() <= 1e-4
+
+
+def test_causality():
+    model = tiny_model()
+    ids = torch.randint(0, 50, (1, 200), generator=torch.Generator().manual_seed(3))
+    changed = ids.clone()
+    changed[0, 120] = (changed[0, 120] + 1) % 50
+    with torch.inference_mode():
+        a, b = model(ids), model(changed)
+    assert (a[:, :120] - b[:, :120]).abs().max() <= 1e-4
+    assert (a[:, 120:] - b[:, 120:]).abs().max() > 1e-3  # and the change is seen from there on
+
+
+def test_gradients_reach_every_parameter():
+    model = tiny_model().train()
+    ids = torch.randint(0, 50, (2, 80))
+    logits = model(ids)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert all(block.mixer.w.grad.abs().sum() > 0 for block in model.blocks)
+
+
+def test_huge_keys_and_long_sequences_stay_finite():
+    B, T, H, D, s = 1, 16_384, 2, 4, 32
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(B, T, H, D, generator=g, requires_grad=True)
+    raw_k = (torch.randn(B, T, H, D, generator=g) * 1e4).requires_grad_()
+    v = torch.randn(B, T, H, D, generator=g, requires_grad=True)
+    w = torch.full((H, s), -50.0, requires_grad=True)  # far below the cap, both ways
+    decay = torch.tensor([0.0, 5.0], requires_grad=True)
+    y, _ = aft_parallel(q, soft_cap(raw_k), v, soft_cap(w), decay, chunk=64)
+    y.square().sum().backward()
+    assert torch.isfinite(y).all()
+    for tensor in (q, raw_k, v, w, decay):
+        assert torch.isfinite(tensor.grad).all()
+    state = empty_state(B, H, D, s)
+    for t in range(200):
+        out = aft_step(q[:, t].detach(), soft_cap(raw_k[:, t].detach()), v[:, t].detach(), soft_cap(w.detach()), decay.detach(), state)
+        assert torch.isfinite(out).all()
