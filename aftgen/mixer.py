@@ -170,13 +170,18 @@ def aft_step(
     q, k, v are (B, H, D); k and w already soft-capped. The token leaving the window moves into the
     prefix, kept as max-stabilised running sums (RWKV's (a, b, p) trick: the true sums are
     prefix_num * exp(prefix_max) and prefix_den * exp(prefix_max)).
+
+    Written for speed without changing the math: the position stays a tensor and the window slot is
+    addressed with index_select / index_copy_, so there is no host sync, no copy of the leaving
+    token (it is read before its slot is overwritten) and nothing that stops torch.compile from
+    fusing the whole step into a few kernels.
     """
     s = w.shape[1]
-    position = int(state["position"])
+    position = state["position"]
     win_k, win_v = state["window_k"], state["window_v"]
     if s:
-        slot = position % s
-        leaving_k, leaving_v = win_k[:, slot].clone(), win_v[:, slot].clone()
+        slot = (position % s).view(1)
+        leaving_k, leaving_v = win_k.index_select(1, slot)[:, 0], win_v.index_select(1, slot)[:, 0]
     else:
         leaving_k, leaving_v = k, v
 
