@@ -85,6 +85,14 @@ def train(
     n_layer: Annotated[int | None, typer.Option("--layers", rich_help_panel=MODEL_PANEL)] = None,
     n_embd: Annotated[int | None, typer.Option("--width", rich_help_panel=MODEL_PANEL)] = None,
     n_head: Annotated[int | None, typer.Option("--heads", rich_help_panel=MODEL_PANEL)] = None,
+    mixer: Annotated[
+        str | None,
+        typer.Option(
+            help="Token mixer: aft_local | aft_simple (no window) | aft_full (window = whole context; "
+            "generation O(context) per token) | attention (softmax + KV cache, the baseline).",
+            rich_help_panel=MODEL_PANEL,
+        ),
+    ] = None,
     window: Annotated[int | None, typer.Option(help="AFT-local window s.", rich_help_panel=MODEL_PANEL)] = None,
     context_length: Annotated[int | None, typer.Option(help="Training sequence length.", rich_help_panel=MODEL_PANEL)] = None,
     dropout: Annotated[float | None, typer.Option(rich_help_panel=MODEL_PANEL)] = None,
@@ -111,8 +119,8 @@ def train(
     from aftgen.training import train as run_training
 
     options = TrainOptions(
-        corpus=corpus, out=out, preset=preset, n_layer=n_layer, n_embd=n_embd, n_head=n_head, window=window,
-        context_length=context_length, batch_size=batch_size, dropout=dropout, decay=decay, lr=lr,
+        corpus=corpus, out=out, preset=preset, n_layer=n_layer, n_embd=n_embd, n_head=n_head, mixer=mixer,
+        window=window, context_length=context_length, batch_size=batch_size, dropout=dropout, decay=decay, lr=lr,
         weight_decay=weight_decay, warmup_steps=warmup_steps, grad_clip=grad_clip, max_steps=max_steps,
         max_time=parse_duration(max_time) if max_time else None, eval_interval=eval_interval, seed=seed,
         vocab_size=vocab_size, tokenizer_type=tokenizer_type, encoding=encoding, errors=errors,

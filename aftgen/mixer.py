@@ -38,6 +38,11 @@ def soft_cap(x: torch.Tensor, cap: float = KEY_CAP) -> torch.Tensor:
     return cap * torch.tanh(x / cap)
 
 
+def full_precision(device: torch.device) -> torch.autocast:
+    """Autocast off: under mixed precision the exp/sum accumulations must still run in fp32."""
+    return torch.autocast(device.type, enabled=False)
+
+
 def relative_weights(w: torch.Tensor, decay: torch.Tensor, length: int) -> torch.Tensor:
     """exp(b[h, d]) for 0 <= d < length: exp(w) inside the window, exp(-lambda (d - s + 1)) beyond."""
     window = w.shape[1]
@@ -62,26 +67,154 @@ def empty_state(batch: int, heads: int, head_dim: int, window: int, device=None)
     }
 
 
+def block_weights(w: torch.Tensor, decay: torch.Tensor, C: int, N: int, history: bool) -> dict[str, torch.Tensor]:
+    """The small matrices of the chunked form, built with autograd so gradients reach w and decay.
+
+    Position i of chunk n reads its own chunk (distances i - j: "current"), the whole block before
+    it (distances C + i - j: "previous", the window and then some since C >= s) and, through
+    "into", the decayed sum S_n of everything older. S_n = sum_m "carry"[n, m] * ("entry" . block m).
+    """
+    s, device = w.shape[1], decay.device
+    weights = relative_weights(w, decay, 2 * C)  # (H, 2C): every distance the two blocks can hold
+    i = torch.arange(C, device=device)
+    gap = i[:, None] - i[None, :]
+    mats = {"current": weights[:, gap.clamp(min=0)] * (gap >= 0)}
+    if N > 1 or history:
+        mats["previous"] = weights[:, C + gap]
+    lam = decay[:, None]
+    if N > 1:
+        a = torch.arange(N - 1, device=device)
+        lag = a[:, None] - a[None, :]
+        mats["into"] = torch.exp(-lam * (i + 1 + C - s))[:, :, None]  # (H, C, 1)
+        mats["entry"] = torch.exp(-lam * (C - i))[:, None, :]  # (H, 1, C)
+        mats["carry"] = torch.exp(-lam[:, :, None] * C * lag.clamp(min=0)) * (lag >= 0)  # (H, N-1, N-1)
+    return mats
+
+
+def to_blocks(k: torch.Tensor, v: torch.Tensor, C: int, window: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """exp(k) v and exp(k) side by side, laid out (H, C, N + 1, B, 2D): row j of block n' is time (n' - 1) C + j.
+
+    In this layout every matmul of the chunked form is one strided bmm over all chunks and sequences
+    at once (batch = heads), with no permute between them. Block 0 holds the state's window, if any.
+    """
+    B, T, H, D = k.shape
+    blocks = k.new_empty(H, C, T // C + 1, B, 2 * D)
+    e = torch.exp(k)
+    # One contiguous pass, then one permuting copy (writing exp straight into the strided layout is slower).
+    blocks[:, :, 1:].permute(3, 2, 1, 0, 4).copy_(torch.cat([e * v, e], dim=-1).view(B, T // C, C, H, 2 * D))
+    blocks[:, :, 0].zero_()
+    if window is not None and window[0].shape[1]:
+        win_e = torch.exp(window[0])  # (B, s, H, D), time order
+        blocks[:, C - win_e.shape[1] :, 0].permute(2, 1, 0, 3).copy_(torch.cat([win_e * window[1], win_e], dim=-1))
+    return blocks
+
+
+def mix_blocks(blocks: torch.Tensor, mats: dict[str, torch.Tensor], prefix0: torch.Tensor | None) -> torch.Tensor:
+    """Numerator and denominator sums (H, C, N, B, 2D), chunk n at [:, :, n]; prefix0 (H, B 2D) is the state's."""
+    H, C, N1, B, D2 = blocks.shape
+    N, width = N1 - 1, B * D2
+    flat = blocks.view(H, C, N1 * width)
+    out = torch.bmm(mats["current"], flat[:, :, width:])
+    first = 0 if prefix0 is not None else 1  # from an empty state the first chunk has nothing before it
+    if N > first:
+        out[:, :, first * width :].baddbmm_(mats["previous"], flat[:, :, first * width : N * width])
+    if N > 1:
+        per_block = torch.bmm(mats["entry"], flat[:, :, : (N - 1) * width]).view(H, N - 1, width)
+        older = torch.bmm(mats["carry"], per_block)
+        if prefix0 is not None:
+            older += mats["from_start"] * prefix0[:, None]
+        out[:, :, width:].baddbmm_(mats["into"], older.view(H, 1, (N - 1) * width))
+    if prefix0 is not None:
+        out[:, :, :width].baddbmm_(mats["into_first"], prefix0[:, None])
+    return out.view(H, C, N, B, D2)
+
+
+def readout(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """y = sigmoid(q) * num / den, in q's (B, T, H, D) order."""
+    H, C, N, B, D2 = out.shape
+    by_time = out.permute(3, 2, 1, 0, 4)
+    y = torch.sigmoid(q)
+    y.view(B, N, C, H, D2 // 2).mul_(by_time[..., : D2 // 2]).div_(by_time[..., D2 // 2 :])
+    return y
+
+
+class ChunkedAFT(torch.autograd.Function):
+    """The chunked form from an empty state, with a hand-written backward.
+
+    Autograd through the block matmuls would keep every intermediate; this keeps the blocks and the
+    sums and runs the backward as the same strided bmms, transposed.
+    """
+
+    MATRICES = ("current", "previous", "into", "entry", "carry")
+
+    @staticmethod
+    def forward(ctx, q, k, v, current, previous, into, entry, carry):
+        mats = {"current": current, "previous": previous, "into": into, "entry": entry, "carry": carry}
+        blocks = to_blocks(k, v, current.shape[-1], None)
+        out = mix_blocks(blocks, mats, None)
+        ctx.save_for_backward(q, v, blocks, out, current, previous, into, entry, carry)
+        return readout(q, out)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        q, v, blocks, out, current, previous, into, entry, carry = ctx.saved_tensors
+        H, C, N1, B, D2 = blocks.shape
+        N, D, width = N1 - 1, D2 // 2, B * D2
+        by_time = out.permute(3, 2, 1, 0, 4).reshape(B, N * C, H, D2)
+        num, den = by_time[..., :D], by_time[..., D:]
+        gate = torch.sigmoid(q)
+        ratio = num / den
+        grad_q = grad_y * ratio * gate * (1 - gate)
+        grad_num = grad_y * gate / den
+        grad_out = torch.empty_like(out)
+        grad_out.permute(3, 2, 1, 0, 4).copy_(torch.cat([grad_num, -grad_num * ratio], dim=-1).view(B, N, C, H, D2))
+        G, flat = grad_out.view(H, C, N * width), blocks.view(H, C, N1 * width)
+        grad_blocks = torch.bmm(current.transpose(1, 2), G)  # chunk n here is block n + 1
+        grads = {"current": torch.bmm(G, flat[:, :, width:].transpose(1, 2))}
+        if N > 1:
+            grad_blocks[:, :, : (N - 1) * width].baddbmm_(previous.transpose(1, 2), G[:, :, width:])
+            grads["previous"] = torch.bmm(G[:, :, width:], flat[:, :, width : N * width].transpose(1, 2))
+            per_block = torch.bmm(entry, flat[:, :, : (N - 1) * width]).view(H, N - 1, width)
+            older = torch.bmm(carry, per_block)
+            grad_older = torch.bmm(into.transpose(1, 2), G[:, :, width:]).view(H, N - 1, width)
+            grad_per_block = torch.bmm(carry.transpose(1, 2), grad_older)
+            if N > 2:  # block 0 is the (empty) history: only blocks 1 .. N-2 feed later chunks
+                grad_blocks[:, :, : (N - 2) * width].baddbmm_(
+                    entry.transpose(1, 2), grad_per_block[:, 1:].reshape(H, 1, (N - 2) * width)
+                )
+            grads["into"] = torch.bmm(G[:, :, width:], older.view(H, (N - 1) * width, 1))
+            grads["entry"] = torch.bmm(
+                grad_per_block.view(H, 1, (N - 1) * width), flat[:, :, : (N - 1) * width].transpose(1, 2)
+            )
+            grads["carry"] = torch.bmm(grad_older, per_block.transpose(1, 2))
+        gz = grad_blocks.view(H, C, N, B, D2).permute(3, 2, 1, 0, 4)  # (B, N, C, H, 2D)
+        e = blocks[:, :, 1:].permute(3, 2, 1, 0, 4)[..., D:]
+        grad_v = (gz[..., :D] * e).reshape(B, N * C, H, D)
+        grad_k = ((gz[..., :D] * v.view(B, N, C, H, D) + gz[..., D:]) * e).reshape(B, N * C, H, D)
+        return grad_q, grad_k, grad_v, *(grads.get(name) for name in ChunkedAFT.MATRICES)
+
+
 def aft_parallel(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     w: torch.Tensor,
     decay: torch.Tensor,
-    chunk: int = 64,
+    chunk: int = 32,
     state: MixerState | None = None,
     return_state: bool = False,
 ) -> tuple[torch.Tensor, MixerState | None]:
-    """Causal AFT-local over a whole sequence in O(T s D) time and O(T D) memory.
+    """Causal AFT-local over a whole sequence in O(T C D) time and O(T D) memory.
 
-    k and w must already be soft-capped. The sequence is cut into chunks of C >= s tokens. For
-    position i of chunk n, the tokens fall in three groups:
-      - the chunk itself, tokens j <= i: a C x C lower-triangular matmul with weights exp(b[i - j]);
-      - the s tokens just before the chunk: a C x s matmul with weights exp(b[i + s - j]);
-      - everything older: a decayed running sum U_n ("the prefix", exactly the recurrent state's
-        prefix at the chunk boundary), weighted exp(-lambda (i + 1)).
-    U_n over all chunks is one small (N x N) matmul with weights exp(-lambda C (n - 1 - m)): no
-    subtraction anywhere, so nothing cancels when w << 0.
+    k and w must already be soft-capped. The sequence is cut into chunks of C = max(chunk, s) tokens.
+    Position i of chunk n sees three groups of tokens:
+      - its own chunk, tokens j <= i: a C x C lower-triangular matmul with weights exp(b[i - j]);
+      - the whole chunk before: a C x C matmul with weights exp(b[C + i - j]) (holds the window);
+      - everything older: a decayed running sum S_n (exactly the recurrent state's prefix at a
+        chunk boundary) weighted exp(-lambda (i + 1 + C - s)); S over all chunks is one small
+        (N x N) matmul with weights exp(-lambda C (n - 1 - m)).
+    No subtraction anywhere, so nothing cancels when w << 0. Training (no state) runs through
+    ChunkedAFT's hand-written backward; gradients through a carried state are not supported.
 
     With `state`, the sequence continues from it (its window and prefix), and with `return_state`
     the state after the last token is returned, so long streams can be read chunk by chunk.
@@ -91,66 +224,55 @@ def aft_parallel(
     C = max(chunk, s, 1)
     N = math.ceil(T / C)
     device = k.device
-    decay = decay.float()
+    dtype = torch.promote_types(k.dtype, torch.float32)
+    q, k, v, w, decay = (t.to(dtype) for t in (q, k, v, w, decay))
+    if N * C != T:  # pad to whole chunks with tokens that weigh nothing (exp(EMPTY_KEY) == 0)
+        pad = (0, 0, 0, 0, 0, N * C - T)
+        q, k, v = F.pad(q, pad), F.pad(k, pad, value=EMPTY_KEY), F.pad(v, pad)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w, decay))
+    if state is None and not return_state:
+        mats = block_weights(w, decay, C, N, history=False)
+        if needs_grad:
+            y = ChunkedAFT.apply(q, k, v, *(mats.get(name) for name in ChunkedAFT.MATRICES))
+        else:
+            y = readout(q, mix_blocks(to_blocks(k, v, C, None), mats, None))
+        return y[:, :T], None
+    if needs_grad:
+        raise ValueError("aft_parallel: gradients through a carried state are not supported")
 
-    e = torch.exp(k.float())
-    z = torch.cat([e * v.float(), e], dim=-1)  # numerator and denominator terms side by side
     if state is None:
         state = empty_state(B, H, D, s, device)
     position = int(state["position"])
     # The state's window is a ring buffer (token g lives in slot g mod s): unroll it to time order.
     win_k = state["window_k"].roll(-position % s if s else 0, dims=1)
     win_v = state["window_v"].roll(-position % s if s else 0, dims=1)
-    win_e = torch.exp(win_k)
-    z_window = torch.cat([win_e * win_v, win_e], dim=-1)
-    prefix0 = torch.cat(
-        [state["prefix_num"], state["prefix_den"]], dim=-1
-    ) * torch.exp(state["prefix_max"]).repeat(1, 1, 2)
-
-    z_full = torch.cat([z_window, z, z.new_zeros(B, N * C - T, H, 2 * D)], dim=1)
-    chunks = z_full[:, s:].reshape(B, N, C, H, 2 * D)
-    shifted = z_full[:, : N * C].reshape(B, N, C, H, 2 * D)  # shifted[:, n, j] = token nC + j - s
-
-    weights = relative_weights(w, decay, s + C)  # (H, s + C)
-    i = torch.arange(C, device=device)
-    gap = i[:, None] - i[None, :]
-    m_chunk = weights[:, gap.clamp(min=0)] * (gap >= 0)  # (H, C, C)
-    out = torch.einsum("hij,bnjhd->bnihd", m_chunk, chunks)
-    if s:
-        m_window = weights[:, i[:, None] + s - torch.arange(s, device=device)[None, :]]  # (H, C, s)
-        out = out + torch.einsum("hij,bnjhd->bnihd", m_window, shifted[:, :, :s])
-
-    # Prefix: U_{n+1} = exp(-lambda C) U_n + sum_j exp(-lambda (C - j)) shifted[n, j].
-    entry = torch.exp(-decay[None, :] * (C - i)[:, None])  # (C, H)
-    per_chunk = torch.einsum("jh,bnjhd->bnhd", entry, shifted)
-    n = torch.arange(N, device=device)
-    lag = n[:, None] - 1 - n[None, :]
-    carry = torch.exp(-decay[:, None, None] * C * lag.clamp(min=0)) * (lag >= 0)  # (H, N, N)
-    from_start = torch.exp(-decay[None, :] * C * n[:, None])  # (N, H)
-    prefix = torch.einsum("hnm,bmhd->bnhd", carry, per_chunk) + from_start[None, :, :, None] * prefix0[:, None]
-    into_chunk = torch.exp(-decay[None, :] * (i + 1)[:, None])  # (C, H)
-    out = out + into_chunk[None, None, :, :, None] * prefix[:, :, None]
-
-    out = out.reshape(B, N * C, H, 2 * D)[:, :T]
-    num, den = out.split(D, dim=-1)
-    y = torch.sigmoid(q.float()) * num / den
-
+    mats = block_weights(w, decay, C, N, history=True)
+    lam, i = decay[:, None], torch.arange(C, device=device)
+    mats["into_first"] = torch.exp(-lam * (i + 1))[:, :, None]  # the state's prefix seen from chunk 0
+    if N > 1:
+        mats["from_start"] = torch.exp(-lam * (torch.arange(N - 1, device=device) * C + s))[:, :, None]
+    prefix0 = torch.cat([state["prefix_num"], state["prefix_den"]], dim=-1) * torch.exp(state["prefix_max"]).repeat(1, 1, 2)
+    prefix0 = prefix0.transpose(0, 1).reshape(H, B * 2 * D)
+    blocks = to_blocks(k, v, C, (win_k, win_v))
+    y = readout(q, mix_blocks(blocks, mats, prefix0))[:, :T]
     if not return_state:
         return y, None
-    # The prefix after the last token: U at the start of the last chunk plus its first r entries.
-    r = T - (N - 1) * C
-    tail = torch.exp(-decay[None, :] * (r - torch.arange(r, device=device))[:, None])  # (r, H)
-    final = torch.exp(-decay * r)[None, :, None] * prefix[:, -1] + torch.einsum(
-        "jh,bjhd->bhd", tail, shifted[:, -1, :r]
-    )
+
+    # The prefix after the last token: every token older than the new window, decayed to time T.
+    time = (torch.arange(N + 1, device=device)[None, :] - 1) * C + i[:, None]  # of each block row (C, N + 1)
+    age = T - s - time
+    kept = (age >= 1) & (time >= -s)  # block 0 holds real tokens only in its last s rows
+    fold = torch.where(kept, torch.exp(-decay[:, None, None] * age.clamp(min=0)), 0.0)  # (H, C, N + 1)
+    history = prefix0.view(H, B, 2 * D).transpose(0, 1)
+    final = torch.einsum("hjn,hjnbd->bhd", fold, blocks) + torch.exp(-decay * T)[None, :, None] * history
     new_position = position + T
-    keys = torch.cat([win_k, k.float()], dim=1)[:, T:]  # the last s keys and values
-    values = torch.cat([win_v, v.float()], dim=1)[:, T:]
+    keys = torch.cat([win_k, k[:, :T]], dim=1)[:, T:]  # the last s keys and values
+    values = torch.cat([win_v, v[:, :T]], dim=1)[:, T:]
     new_state = {
         "window_k": keys.roll(new_position % s if s else 0, dims=1),
         "window_v": values.roll(new_position % s if s else 0, dims=1),
-        "prefix_num": final[..., :D],
-        "prefix_den": final[..., D:],
+        "prefix_num": final[..., :D].contiguous(),
+        "prefix_den": final[..., D:].contiguous(),
         "prefix_max": torch.zeros_like(final[..., :D]),
         "position": torch.tensor(new_position, device=device),
     }
@@ -194,8 +316,8 @@ def aft_step(
     p.copy_(top - decay[None, :, None])
 
     if s:
-        win_k[:, slot] = k
-        win_v[:, slot] = v
+        win_k.index_copy_(1, slot, k[:, None])
+        win_v.index_copy_(1, slot, v[:, None])
         distance = (position - torch.arange(s, device=k.device)) % s  # of each slot's token
         scores = win_k + w[:, distance].T[None, :, :, None]  # (B, s, H, D)
         top = torch.maximum(p, scores.amax(dim=1))
@@ -205,14 +327,14 @@ def aft_step(
         den = b * prefix_scale + window_scale.sum(dim=1)
     else:
         num, den = a, b
-    state["position"].add_(1)
+    position.add_(1)
     return torch.sigmoid(q) * num / den
 
 
 class AFTLocalMixer(torch.nn.Module):
     """Multi-head causal AFT-local: projections around `aft_parallel` / `aft_step`."""
 
-    def __init__(self, n_embd: int, n_head: int, window: int, context_length: int, decay: bool, chunk: int = 64):
+    def __init__(self, n_embd: int, n_head: int, window: int, context_length: int, decay: bool, chunk: int = 32):
         super().__init__()
         self.n_head, self.head_dim, self.chunk = n_head, n_embd // n_head, chunk
         self.qkv = torch.nn.Linear(n_embd, 3 * n_embd)
@@ -241,10 +363,94 @@ class AFTLocalMixer(torch.nn.Module):
         self, x: torch.Tensor, state: MixerState | None = None, return_state: bool = False
     ) -> tuple[torch.Tensor, MixerState | None]:
         q, k, v = self._qkv(x)
-        y, state = aft_parallel(q, k, v, soft_cap(self.w), self.decay(), self.chunk, state, return_state)
+        with full_precision(x.device):
+            y, state = aft_parallel(q, k, v, soft_cap(self.w), self.decay(), self.chunk, state, return_state)
         return self.proj(y.to(x.dtype).flatten(-2)), state
 
     def step(self, x: torch.Tensor, state: MixerState) -> torch.Tensor:
         q, k, v = self._qkv(x)
-        y = aft_step(q.float(), k, v.float(), soft_cap(self.w), self.decay(), state)
+        with full_precision(x.device):
+            y = aft_step(q.float(), k, v.float(), soft_cap(self.w), self.decay(), state)
         return self.proj(y.to(x.dtype).flatten(-2))
+
+
+# The baseline the paper compares against: causal multi-head softmax attention. It has no relative
+# biases, so positions come from rotary embeddings (RoPE), which also let it read past its training
+# length. Generation keeps a KV cache: memory and per-token cost grow with the context.
+
+ROPE_BASE = 10_000.0
+
+
+def rotary(x: torch.Tensor, start: int) -> torch.Tensor:
+    """Rotate channel pairs of x (B, H, T, D) by angles of positions start .. start + T - 1 (RoPE)."""
+    D, T = x.shape[-1], x.shape[-2]
+    inv_freq = ROPE_BASE ** -(torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
+    angles = torch.arange(start, start + T, device=x.device, dtype=torch.float32)[:, None] * inv_freq
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = x[..., : D // 2], x[..., D // 2 :]
+    return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
+
+
+def empty_cache(batch: int, heads: int, head_dim: int, device=None) -> MixerState:
+    """A KV cache holding no tokens. keys/values are (B, H, capacity, D); `position` tokens are filled."""
+    return {
+        "keys": torch.zeros(batch, heads, 0, head_dim, device=device),
+        "values": torch.zeros(batch, heads, 0, head_dim, device=device),
+        "position": torch.zeros((), dtype=torch.long, device=device),
+    }
+
+
+def append_to_cache(cache: MixerState, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write k, v (B, H, T, D) after the cached tokens, in place; return all keys and values so far.
+
+    The buffers grow by doubling, so appending one token costs O(1) amortised instead of a full copy.
+    """
+    start, T = int(cache["position"]), k.shape[2]
+    capacity = cache["keys"].shape[2]
+    if start + T > capacity:
+        grown = max(2 * capacity, start + T, 64)
+        for name in ("keys", "values"):
+            old = cache[name]
+            cache[name] = old.new_zeros(old.shape[0], old.shape[1], grown, old.shape[3])
+            cache[name][:, :, :start] = old[:, :, :start]
+    cache["keys"][:, :, start : start + T] = k
+    cache["values"][:, :, start : start + T] = v
+    cache["position"].add_(T)
+    return cache["keys"][:, :, : start + T], cache["values"][:, :, : start + T]
+
+
+class AttentionMixer(torch.nn.Module):
+    """Causal multi-head softmax attention (torch's scaled_dot_product_attention) with RoPE and a KV cache."""
+
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.n_head, self.head_dim = n_head, n_embd // n_head
+        self.qkv = torch.nn.Linear(n_embd, 3 * n_embd)
+        self.proj = torch.nn.Linear(n_embd, n_embd)
+
+    def initial_state(self, batch_size: int, device=None) -> MixerState:
+        return empty_cache(batch_size, self.n_head, self.head_dim, device)
+
+    def forward(
+        self, x: torch.Tensor, state: MixerState | None = None, return_state: bool = False
+    ) -> tuple[torch.Tensor, MixerState | None]:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        if state is None and not return_state:  # training: one causal pass, nothing kept
+            y = F.scaled_dot_product_attention(rotary(q, 0), rotary(k, 0), v, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(B, T, -1)), None
+        if state is None:
+            state = self.initial_state(B, x.device)
+        start = int(state["position"])
+        keys, values = append_to_cache(state, rotary(k, start), v)
+        # Query i (at position start + i) sees every cached token and the new ones up to itself; a
+        # single new token sees everything, so it needs no mask (and torch keeps its fastest kernel).
+        mask = None
+        if T > 1:
+            mask = torch.arange(start + T, device=x.device)[None, :] <= start + torch.arange(T, device=x.device)[:, None]
+        y = F.scaled_dot_product_attention(rotary(q, start), keys, values, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1)), state
+
+    def step(self, x: torch.Tensor, state: MixerState) -> torch.Tensor:
+        y, _ = self.forward(x[:, None], state, return_state=True)
+        return y[:, 0]

@@ -15,9 +15,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from aftgen.errors import AftgenError
-from aftgen.mixer import AFTLocalMixer, MixerState
+from aftgen.mixer import AFTLocalMixer, AttentionMixer, MixerState
 
-MIXERS = ("aft_local",)
+# Token mixers; everything else in the model is shared. The AFT ones differ only in their window s:
+# aft_local uses config.window, aft_simple none (no position bias, only the decay), aft_full the whole
+# training context (its generation step then costs O(context_length) per token).
+MIXERS = ("aft_local", "aft_simple", "aft_full", "attention")
 
 ModelState = list[MixerState]
 
@@ -87,11 +90,19 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.up(x)))
 
 
+def make_mixer(config: AFTConfig) -> nn.Module:
+    """The token mixer config.mixer names (all share forward(x, state, return_state) / step / initial_state)."""
+    if config.mixer == "attention":
+        return AttentionMixer(config.n_embd, config.n_head)
+    window = {"aft_local": config.window, "aft_simple": 0, "aft_full": config.context_length}[config.mixer]
+    return AFTLocalMixer(config.n_embd, config.n_head, window, config.context_length, config.decay)
+
+
 class Block(nn.Module):
     def __init__(self, config: AFTConfig):
         super().__init__()
         self.ln_mix = nn.LayerNorm(config.n_embd)
-        self.mixer = AFTLocalMixer(config.n_embd, config.n_head, config.window, config.context_length, config.decay)
+        self.mixer = make_mixer(config)
         self.ln_mlp = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.dropout)

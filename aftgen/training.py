@@ -22,7 +22,7 @@ from aftgen.checkpoint import save_checkpoint
 from aftgen.errors import AftgenError
 from aftgen.evaluate import evaluate_text
 from aftgen.files import atomic_write
-from aftgen.model import AFTLM, AFTConfig
+from aftgen.model import AFTLM, MIXERS, AFTConfig
 from aftgen.tokenizer import Tokenizer
 
 TRAINING_STATE, TRAINING_INFO, METRICS = "training_state.safetensors", "training.json", "metrics.jsonl"
@@ -96,6 +96,8 @@ class TrainOptions:
         settings = self.resolved()
         if settings["batch_size"] <= 0:
             raise AftgenError(f"--batch-size must be positive, got {settings['batch_size']}")
+        if settings["mixer"] not in MIXERS:
+            raise AftgenError(f"unknown --mixer '{settings['mixer']}'; choose one of: {', '.join(MIXERS)}")
 
 
 def parse_duration(text: str) -> float:
