@@ -7,13 +7,16 @@ top-p (nucleus), min-p, repeat penalty over the last n tokens, stop strings.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from aftgen.errors import AftgenError
-from aftgen.model import AFTLM, ModelState, clone_state
+from aftgen.model import AFTLM, ModelState, StepFunction, clone_state
 from aftgen.tokenizer import Tokenizer
+
+MAX_REPEAT_LAST_N = 1024  # a context keeps this many recent tokens for the repeat penalty, so its size is fixed
+PROMPT_CHUNK = 1024  # tokens read per parallel pass: long texts go in chunks, in constant memory
 
 
 @dataclass
@@ -42,8 +45,8 @@ class SamplingOptions:
             raise AftgenError(f"--min-p must be in [0, 1), got {self.min_p}")
         if not self.repeat_penalty > 0:
             raise AftgenError(f"--repeat-penalty must be > 0, got {self.repeat_penalty}")
-        if self.repeat_last_n < 0:
-            raise AftgenError(f"--repeat-last-n must be >= 0, got {self.repeat_last_n}")
+        if not 0 <= self.repeat_last_n <= MAX_REPEAT_LAST_N:
+            raise AftgenError(f"--repeat-last-n must be between 0 and {MAX_REPEAT_LAST_N}, got {self.repeat_last_n}")
         if any(not s for s in self.stop):
             raise AftgenError("--stop strings must not be empty")
 
@@ -60,13 +63,14 @@ def filter_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tenso
     """Temperature, then top-k, top-p and min-p: tokens ruled out get -inf. logits: (B, V)."""
     logits = logits.float() / options.temperature
     if options.top_k and options.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, options.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        kept = torch.topk(logits, options.top_k, dim=-1).indices  # exactly k, ties broken by topk
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, kept, logits.gather(-1, kept))
     if options.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         # Keep the smallest set whose probability reaches top_p: a token goes if the ones before it already do.
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= options.top_p
+        before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
+        drop_sorted = before >= options.top_p
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     if options.min_p > 0:
         probs = logits.softmax(-1)
@@ -77,7 +81,9 @@ def filter_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tenso
 def choose(logits: torch.Tensor, options: SamplingOptions, history: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """The next token for each row of logits (B, V), given each row's token history (B, n)."""
     recent = history[:, -options.repeat_last_n :] if options.repeat_last_n else history[:, :0]
-    logits = apply_repeat_penalty(logits.float(), recent, options.repeat_penalty)
+    # Sampling runs on the CPU whatever the model's device: the generator is a CPU one, and a seed
+    # then gives the same text on any device.
+    logits = apply_repeat_penalty(logits.float().cpu(), recent, options.repeat_penalty)
     if options.temperature == 0:
         return logits.argmax(-1)
     probs = filter_logits(logits, options).softmax(-1)
@@ -110,66 +116,111 @@ class StopFilter:
         return out
 
 
-@torch.inference_mode()
-def read_prompt(model: AFTLM, tokenizer: Tokenizer, prompt: str, state: ModelState | None = None) -> tuple[torch.Tensor, ModelState, list[int]]:
-    """Ingest a prompt in the parallel form: (logits for the next token (1, V), state, prompt ids).
+@dataclass
+class Context:
+    """Where a generation stands: enough to continue it exactly, and nothing that grows with its length."""
 
-    A fresh context starts with BOS; a continued one (state given) does not.
+    state: ModelState
+    logits: torch.Tensor  # (1, vocab): scores for the next token
+    generator: torch.Generator
+    recent: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.long))  # last ids, for the repeat penalty
+    pending: bytes = b""  # the start of a character the last token left unfinished
+
+    def remember(self, ids: torch.Tensor) -> None:
+        self.recent = torch.cat([self.recent, ids.view(1, -1)], dim=1)[:, -MAX_REPEAT_LAST_N:]
+
+    def fork(self) -> Context:
+        """An independent copy that shares the random generator (so forks draw different samples)."""
+        return Context(clone_state(self.state), self.logits.clone(), self.generator, self.recent.clone(), self.pending)
+
+
+def new_generator(seed: int | None) -> torch.Generator:
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()  # nondeterministic
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+@torch.inference_mode()
+def read_prompt(
+    model: AFTLM, tokenizer: Tokenizer, prompt: str, context: Context | None = None, seed: int | None = None
+) -> Context:
+    """Read text into a context in the parallel form, PROMPT_CHUNK tokens at a time (constant memory).
+
+    A fresh context starts with BOS and a generator seeded with `seed` (random if None); a continued
+    one keeps its own generator unless a seed is given.
     """
-    ids = ([] if state is not None else [tokenizer.bos_id]) + tokenizer.encode(prompt)
+    ids = ([] if context is not None else [tokenizer.bos_id]) + tokenizer.encode(prompt)
+    if context is None:
+        context = Context(model.initial_state(1), torch.zeros(1, model.config.vocab_size), new_generator(seed))
+    elif seed is not None:
+        context.generator.manual_seed(seed)
     if not ids:
-        raise AftgenError("nothing to continue from: give a prompt or a state")
-    logits, state = model.prefill(torch.tensor([ids]), state)
-    return logits[:, -1], state, ids
+        return context
+    ids_tensor = torch.tensor([ids])
+    for start in range(0, len(ids), PROMPT_CHUNK):
+        logits, context.state = model.prefill(ids_tensor[:, start : start + PROMPT_CHUNK], context.state)
+    context.logits = logits[:, -1].float()
+    context.remember(ids_tensor[:, -MAX_REPEAT_LAST_N:])
+    context.pending = b""  # a character left unfinished before this text is abandoned
+    return context
 
 
 @torch.inference_mode()
 def generate(
     model: AFTLM,
     tokenizer: Tokenizer,
-    logits: torch.Tensor,
-    state: ModelState,
+    context: Context,
     options: SamplingOptions,
-    history: list[int] | None = None,
-    generator: torch.Generator | None = None,
+    step: StepFunction | None = None,
+    final: bool = True,
 ) -> Iterator[str]:
-    """Stream text from next-token logits (1, V) and a state, which is advanced in place.
+    """Stream text from a context, advancing it in place; `step` defaults to `model.step`.
 
-    Yields only whole characters; ends at max_new_tokens or before a stop string.
+    Yields only whole characters; ends after max_new_tokens or before a stop string. Each token is
+    read into the context before its text is yielded, so leaving the loop at any point (Ctrl-C in
+    chat) leaves a consistent context. With final=False the run is to be continued later: a
+    character the last token left unfinished stays in context.pending instead of becoming U+FFFD.
     """
-    if generator is None:
-        generator = torch.Generator()
-        generator.manual_seed(options.seed if options.seed is not None else torch.seed())
+    step = step or model.step
     decoder, stops = tokenizer.stream_decoder(), StopFilter(options.stop)
-    window = max(options.repeat_last_n, 1)
-    history_ids = torch.tensor([(history or [])[-window:]], dtype=torch.long)
+    carried = stops.feed(decoder.feed_bytes(context.pending))
+    context.pending = b""
+    if carried:
+        yield carried
     produced = 0
-    while options.max_new_tokens < 0 or produced < options.max_new_tokens:
-        token = choose(logits, options, history_ids, generator)
+    while not stops.stopped and (options.max_new_tokens < 0 or produced < options.max_new_tokens):
+        token = choose(context.logits, options, context.recent, context.generator)
         produced += 1
-        history_ids = torch.cat([history_ids, token[:, None]], dim=1)[:, -window:]
+        context.logits, _ = step(token, context.state)
+        context.remember(token)
         text = stops.feed(decoder.feed(int(token)))
         if text:
             yield text
-        if stops.stopped:
-            return
-        logits, state = model.step(token, state)
-    tail = stops.feed(decoder.flush())
-    yield tail + ("" if stops.stopped else stops.flush())
+    if stops.stopped:
+        return
+    if final:
+        tail = decoder.flush()
+    else:
+        tail, context.pending = "", decoder.pending()
+    yield stops.feed(tail) + ("" if stops.stopped else stops.flush())
 
 
 def sample_text(
     model: AFTLM,
     tokenizer: Tokenizer,
-    prompt: str,
+    context: Context,
     options: SamplingOptions,
     num_samples: int = 1,
-    state: ModelState | None = None,
+    step: StepFunction | None = None,
+    final: bool = True,
 ) -> Iterator[Iterator[str]]:
-    """`num_samples` continuations of one prompt; the prompt is read once and its state shared."""
+    """`num_samples` continuations of one context (a prompt read once by `read_prompt`, its state shared).
+
+    One sample advances `context` itself (so the caller can save it); several each start from a copy.
+    """
     options.check()
-    logits, prompt_state, ids = read_prompt(model, tokenizer, prompt, state)
-    generator = torch.Generator()
-    generator.manual_seed(options.seed if options.seed is not None else torch.seed())
     for _ in range(num_samples):
-        yield generate(model, tokenizer, logits, clone_state(prompt_state), options, ids, generator)
+        yield generate(model, tokenizer, context.fork() if num_samples > 1 else context, options, step, final)

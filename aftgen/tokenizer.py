@@ -83,7 +83,17 @@ class StreamDecoder:
         self._pending_escape = ""
 
     def feed(self, token: int) -> str:
-        return self._unescape(self._utf8.decode(self._piece_bytes[token]))
+        return self.feed_bytes(self._piece_bytes[token])
+
+    def feed_bytes(self, data: bytes) -> str:
+        return self._unescape(self._utf8.decode(data))
+
+    def pending(self) -> bytes:
+        """What was fed but not emitted yet (the start of an unfinished character), as UTF-8 bytes.
+
+        A fresh decoder fed these bytes is in the same state as this one, so a stream can be saved and resumed.
+        """
+        return self._pending_escape.encode("utf-8") + self._utf8.getstate()[0]
 
     def flush(self) -> str:
         return self._unescape(self._utf8.decode(b"", final=True)) + self._pending_escape

@@ -1,0 +1,60 @@
+"""Interactive generation: each line typed is read into the running state and the model replies.
+
+The recurrent state carries the whole conversation, so no turn ever re-reads the history: a
+thousandth turn costs what the first did. Ctrl-C stops the reply being written (the state keeps
+what was written so far), Ctrl-C at the prompt gives a fresh prompt, Ctrl-D ends the session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+from collections.abc import Callable, Iterator
+
+from aftgen.model import AFTLM, StepFunction
+from aftgen.sampling import Context, SamplingOptions, generate, read_prompt
+from aftgen.tokenizer import Tokenizer
+
+
+@contextlib.contextmanager
+def interrupt_flag() -> Iterator[Callable[[], bool]]:
+    """Inside the block, Ctrl-C (SIGINT) raises a flag instead of KeyboardInterrupt."""
+    raised: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: raised.append(signum))
+    try:
+        yield lambda: bool(raised)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def run_chat(
+    model: AFTLM,
+    tokenizer: Tokenizer,
+    options: SamplingOptions,
+    context: Context | None = None,
+    step: StepFunction | None = None,
+) -> Context | None:
+    """Read lines from stdin until end of input, streaming each reply to stdout; return the final context."""
+    prompt = "> " if sys.stdin.isatty() and sys.stdout.isatty() else ""
+    seed = options.seed  # seeds the first turn; later turns go on drawing from the same generator
+    while True:
+        try:
+            line = input(prompt)
+        except EOFError:
+            break
+        except KeyboardInterrupt:  # at the prompt, as in a shell: start a fresh line
+            print(file=sys.stderr)
+            continue
+        with interrupt_flag() as interrupted:
+            context = read_prompt(model, tokenizer, line + "\n", context, seed)
+            seed = None
+            for piece in generate(model, tokenizer, context, options, step):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                if interrupted():
+                    print("\n[stopped]", file=sys.stderr)
+                    break
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return context

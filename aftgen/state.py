@@ -1,0 +1,142 @@
+"""State files: a generation's context saved to go on later, the same size however long its history.
+
+One safetensors file (no pickle) holds, per layer, the mixer's recurrent state, plus the next
+token's logits, the recent tokens (repeat penalty), the random generator's state and the bytes of a
+character the last token left unfinished: everything needed so that saving and loading in the
+middle of a run changes nothing about what comes next. The metadata names the model it belongs to
+(SHA-256 of the weights and of the tokenizer); any other model is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from aftgen.errors import AftgenError
+from aftgen.files import atomic_write
+from aftgen.model import AFTLM
+from aftgen.sampling import MAX_REPEAT_LAST_N, Context
+from aftgen.tokenizer import Tokenizer
+
+FORMAT, VERSION = "aftgen-state", "1"
+PENDING_BYTES = 8  # an unfinished character is at most 3 bytes, plus a held 3-byte escape character
+NO_TOKEN = -1  # pads the recent-token slots of a short history
+
+
+def weights_hash(model: AFTLM) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def tokenizer_hash(tokenizer: Tokenizer) -> str:
+    return hashlib.sha256(tokenizer.model_proto).hexdigest()
+
+
+def save_state(path: Path | str, context: Context, model: AFTLM, tokenizer: Tokenizer) -> None:
+    """Write `context` atomically; its size depends on the model only, never on the history."""
+    tensors = {f"layer{i}.{name}": t.contiguous() for i, layer in enumerate(context.state) for name, t in layer.items()}
+    recent = context.recent[0, -MAX_REPEAT_LAST_N:]
+    pending = torch.tensor(list(context.pending), dtype=torch.uint8)
+    tensors |= {
+        "logits": context.logits.float().contiguous(),
+        "recent": torch.cat([torch.full((MAX_REPEAT_LAST_N - len(recent),), NO_TOKEN), recent]),
+        "generator": context.generator.get_state(),
+        "pending": torch.cat([pending, torch.zeros(PENDING_BYTES - len(pending), dtype=torch.uint8)]),
+        "pending_length": torch.tensor(len(pending)),
+    }
+    metadata = {"format": FORMAT, "version": VERSION, "weights_sha256": weights_hash(model), "tokenizer_sha256": tokenizer_hash(tokenizer)}
+    atomic_write(path, save_safetensors({name: t.cpu() for name, t in tensors.items()}, metadata=metadata))
+
+
+def _metadata(data: bytes) -> dict:
+    """The __metadata__ of a safetensors file (8-byte little-endian header length, then JSON)."""
+    (length,) = struct.unpack("<Q", data[:8])
+    metadata = json.loads(data[8 : 8 + length].decode("utf-8")).get("__metadata__")
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def load_state(path: Path | str, model: AFTLM, tokenizer: Tokenizer) -> Context:
+    """Read a state file written by `save_state` for this very model and tokenizer."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise AftgenError(f"{path}: cannot read state file ({exc.strerror})") from None
+    try:
+        metadata = _metadata(data)
+        tensors = load_safetensors(data)
+    except (struct.error, ValueError, UnicodeDecodeError, AttributeError, SafetensorError):
+        raise AftgenError(f"{path}: not an aftgen state file, or a truncated one") from None
+    if metadata.get("format") != FORMAT:
+        raise AftgenError(f"{path}: not an aftgen state file")
+    if metadata.get("version") != VERSION:
+        raise AftgenError(f"{path}: state file version {metadata.get('version')!r} is not supported (expected {VERSION})")
+    for what, saved, ours in (
+        ("model weights", metadata.get("weights_sha256"), weights_hash(model)),
+        ("tokenizer", metadata.get("tokenizer_sha256"), tokenizer_hash(tokenizer)),
+    ):
+        if saved != ours:
+            raise AftgenError(
+                f"{path}: this state was saved with different {what} (sha256 {str(saved)[:12]}, this model's "
+                f"{ours[:12]}); continue it with the model that wrote it"
+            )
+    expected = _expected_tensors(model)
+    if set(tensors) != set(expected):
+        raise AftgenError(f"{path}: state file does not match this model's layers")
+    for name, tensor in tensors.items():
+        if not _fits(tensor, expected[name]):
+            raise AftgenError(f"{path}: tensor '{name}' is {tensor.dtype} {tuple(tensor.shape)}, expected {expected[name].dtype} {tuple(expected[name].shape)}")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise AftgenError(f"{path}: tensor '{name}' holds NaN or inf")
+    pending_length = int(tensors["pending_length"])
+    if not 0 <= pending_length <= PENDING_BYTES:
+        raise AftgenError(f"{path}: corrupt state file (pending_length {pending_length})")
+    generator = torch.Generator()
+    try:
+        generator.set_state(tensors["generator"])
+    except RuntimeError:
+        raise AftgenError(f"{path}: corrupt random generator state") from None
+    device = model.embed.weight.device
+    state = [
+        {name: tensors[f"layer{i}.{name}"].clone().to(device) for name in layer}
+        for i, layer in enumerate(model.initial_state(1))
+    ]
+    recent = tensors["recent"]
+    return Context(
+        state=state,
+        logits=tensors["logits"].clone(),
+        generator=generator,
+        recent=recent[recent != NO_TOKEN][None].clone(),
+        pending=bytes(tensors["pending"][:pending_length].tolist()),
+    )
+
+
+def _expected_tensors(model: AFTLM) -> dict[str, torch.Tensor]:
+    """Tensors of the kind a state file for `model` holds (shapes as in a fresh context)."""
+    expected = {f"layer{i}.{name}": t for i, layer in enumerate(model.initial_state(1)) for name, t in layer.items()}
+    return expected | {
+        "logits": torch.zeros(1, model.config.vocab_size),
+        "recent": torch.zeros(MAX_REPEAT_LAST_N, dtype=torch.long),
+        "generator": torch.Generator().get_state(),
+        "pending": torch.zeros(PENDING_BYTES, dtype=torch.uint8),
+        "pending_length": torch.tensor(0),
+    }
+
+
+def _fits(tensor: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Same dtype and shape; a dimension empty in a fresh state (a growing cache) may hold any length."""
+    if tensor.dtype != expected.dtype or tensor.dim() != expected.dim():
+        return False
+    return all(want in (have, 0) for have, want in zip(tensor.shape, expected.shape, strict=True))
