@@ -10,11 +10,14 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from aftgen.errors import AftgenError
+
+if TYPE_CHECKING:
+    from aftgen.sampling import SamplingOptions
 
 app = typer.Typer(
     help="Train Attention Free Transformer language models on any text and sample from them.",
@@ -26,6 +29,7 @@ app = typer.Typer(
 
 DEBUG = {"on": False}
 MODEL_PANEL, TRAIN_PANEL, DATA_PANEL, SAMPLE_PANEL = "Model size", "Training", "Data", "Sampling"
+STATE_PANEL = "State files"
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -136,35 +140,85 @@ def train(
     print(run)
 
 
+# Options shared by `sample` and `chat` (llama.cpp / transformers names and meanings).
+ModelOption = Annotated[str | None, typer.Option("--model", "-m", help="Checkpoint folder or Hub id (default: the shipped model).")]
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", "-n", help="-1: until stopped.", rich_help_panel=SAMPLE_PANEL)]
+Temperature = Annotated[float, typer.Option(help="0: greedy.", rich_help_panel=SAMPLE_PANEL)]
+TopK = Annotated[int, typer.Option(help="Keep the k likeliest tokens (0: off).", rich_help_panel=SAMPLE_PANEL)]
+TopP = Annotated[float, typer.Option(help="Keep the smallest set reaching p.", rich_help_panel=SAMPLE_PANEL)]
+MinP = Annotated[float, typer.Option(help="Drop tokens below min_p x the top probability.", rich_help_panel=SAMPLE_PANEL)]
+RepeatPenalty = Annotated[float, typer.Option(help="Divide recent tokens' positive logits by this (1: off).", rich_help_panel=SAMPLE_PANEL)]
+RepeatLastN = Annotated[int, typer.Option(help="How many recent tokens the penalty covers.", rich_help_panel=SAMPLE_PANEL)]
+Stop = Annotated[list[str] | None, typer.Option(help="End before this string (repeatable).", rich_help_panel=SAMPLE_PANEL)]
+Seed = Annotated[int | None, typer.Option(help="Random seed (with --load-state: replaces the saved generator).", rich_help_panel=SAMPLE_PANEL)]
+LoadState = Annotated[Path | None, typer.Option(help="Continue from a state file (sample --save-state, prime).", rich_help_panel=STATE_PANEL)]
+SaveState = Annotated[Path | None, typer.Option(help="Write the state after the run, to continue it later.", rich_help_panel=STATE_PANEL)]
+Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="torch.compile the step: seconds of warm-up, then ~3x faster per token.")]
+
+
+def _sampling_options(**values) -> SamplingOptions:
+    from aftgen.sampling import SamplingOptions
+
+    options = SamplingOptions(**{**values, "stop": tuple(values["stop"] or ())})
+    options.check()
+    return options
+
+
+def _require_file(path: Path | None, what: str) -> None:
+    """Refuse a missing input file before any work (its contents are checked when read)."""
+    if path is not None and not path.is_file():
+        raise AftgenError(f"{path}: no such {what}")
+
+
+def _load_for_generation(model: str | None, load_state: Path | None, compile_step: bool):
+    """(model, tokenizer, context or None, step function), telling stderr about the compile."""
+    from aftgen.api import load
+    from aftgen.model import compile_step as compiled
+    from aftgen.state import load_state as read_state
+
+    lm, tokenizer = load(model)
+    context = read_state(load_state, lm, tokenizer) if load_state else None
+    step = lm.step
+    if compile_step:
+        step, note = compiled(lm)
+        print(f"step: {note}", file=sys.stderr)
+    return lm, tokenizer, context, step
+
+
 @app.command()
 @command
 def sample(
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Checkpoint folder or Hub id (default: the shipped model).")] = None,
+    model: ModelOption = None,
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue; '-' reads stdin.", rich_help_panel=SAMPLE_PANEL)] = "",
     prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from a file.", rich_help_panel=SAMPLE_PANEL)] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="-1: until stopped.", rich_help_panel=SAMPLE_PANEL)] = 200,
-    temperature: Annotated[float, typer.Option(help="0: greedy.", rich_help_panel=SAMPLE_PANEL)] = 0.8,
-    top_k: Annotated[int, typer.Option(help="Keep the k likeliest tokens (0: off).", rich_help_panel=SAMPLE_PANEL)] = 0,
-    top_p: Annotated[float, typer.Option(help="Keep the smallest set reaching p.", rich_help_panel=SAMPLE_PANEL)] = 1.0,
-    min_p: Annotated[float, typer.Option(help="Drop tokens below min_p x the top probability.", rich_help_panel=SAMPLE_PANEL)] = 0.0,
-    repeat_penalty: Annotated[float, typer.Option(rich_help_panel=SAMPLE_PANEL)] = 1.0,
-    repeat_last_n: Annotated[int, typer.Option(rich_help_panel=SAMPLE_PANEL)] = 64,
-    stop: Annotated[list[str] | None, typer.Option(help="End before this string (repeatable).", rich_help_panel=SAMPLE_PANEL)] = None,
+    max_new_tokens: MaxNewTokens = 200,
+    temperature: Temperature = 0.8,
+    top_k: TopK = 0,
+    top_p: TopP = 1.0,
+    min_p: MinP = 0.0,
+    repeat_penalty: RepeatPenalty = 1.0,
+    repeat_last_n: RepeatLastN = 64,
+    stop: Stop = None,
     num_samples: Annotated[int, typer.Option(help="Continuations of one prompt.", rich_help_panel=SAMPLE_PANEL)] = 1,
-    seed: Annotated[int | None, typer.Option(rich_help_panel=SAMPLE_PANEL)] = None,
+    seed: Seed = None,
+    load_state: LoadState = None,
+    save_state: SaveState = None,
+    compile_step: Compile = False,
     echo: Annotated[bool, typer.Option(help="Print the prompt before the continuation.")] = True,
 ) -> None:
     """Continue a prompt, streaming text to stdout as it is made."""
-    from aftgen.api import load
-    from aftgen.sampling import SamplingOptions, sample_text
+    from aftgen.sampling import read_prompt, sample_text
+    from aftgen.state import save_state as write_state
 
-    options = SamplingOptions(
+    options = _sampling_options(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-        repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed, stop=tuple(stop or ()),
+        repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed, stop=stop,
     )  # fmt: skip
-    options.check()
     if num_samples < 1:
         raise AftgenError(f"--num-samples must be >= 1, got {num_samples}")
+    if save_state is not None and num_samples > 1:
+        raise AftgenError("--save-state keeps one continuation; use it with --num-samples 1")
+    _require_file(load_state, "state file")
     if prompt_file is not None:
         from aftgen.data import read_text
 
@@ -172,17 +226,94 @@ def sample(
     elif prompt == "-":
         prompt = sys.stdin.read()
     _threads()
-    lm, tokenizer = load(model)
-    for index, pieces in enumerate(sample_text(lm, tokenizer, prompt, options, num_samples)):
+    lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step)
+    context = read_prompt(lm, tokenizer, prompt, context, options.seed)
+    # A run that will be continued keeps an unfinished last character for the next one.
+    runs = sample_text(lm, tokenizer, context, options, num_samples, step, final=save_state is None)
+    _write_samples(runs, prompt if echo else "", save_state is None)
+    if save_state is not None:
+        write_state(save_state, context, lm, tokenizer)
+        print(f"state saved to {save_state}", file=sys.stderr)
+
+
+def _write_samples(runs, prompt: str, newline: bool) -> None:
+    """Stream each continuation to stdout as it is made, separated by '---'."""
+    for index, pieces in enumerate(runs):
         if index:
             sys.stdout.write("\n\n---\n\n")
-        if echo:
-            sys.stdout.write(prompt)
+        sys.stdout.write(prompt)
         for piece in pieces:
             sys.stdout.write(piece)
             sys.stdout.flush()
-        sys.stdout.write("\n")
+        if newline:
+            sys.stdout.write("\n")
         sys.stdout.flush()
+
+
+@app.command()
+@command
+def prime(
+    text_file: Annotated[Path, typer.Argument(help="Text to read (any length: read in chunks, constant memory).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="State file to write.")],
+    model: ModelOption = None,
+    seed: Seed = None,
+    encoding: Annotated[str, typer.Option()] = "utf-8",
+    errors: Annotated[str, typer.Option()] = "strict",
+) -> None:
+    """Read a text once into a state file that `sample`/`chat --load-state` start from."""
+    import time
+
+    from aftgen.data import read_text
+    from aftgen.sampling import read_prompt
+    from aftgen.state import save_state as write_state
+
+    text = read_text(text_file, encoding, errors)
+    _threads()
+    lm, tokenizer, _, _ = _load_for_generation(model, None, False)
+    start = time.perf_counter()
+    context = read_prompt(lm, tokenizer, text, None, seed)
+    elapsed = time.perf_counter() - start
+    write_state(out, context, lm, tokenizer)
+    tokens = int(context.state[0]["position"])
+    print(f"read {tokens:,} tokens in {elapsed:.1f} s ({tokens / elapsed:,.0f} tokens/s)", file=sys.stderr)
+    print(out)
+
+
+@app.command()
+@command
+def chat(
+    model: ModelOption = None,
+    max_new_tokens: MaxNewTokens = 200,
+    temperature: Temperature = 0.8,
+    top_k: TopK = 0,
+    top_p: TopP = 1.0,
+    min_p: MinP = 0.0,
+    repeat_penalty: RepeatPenalty = 1.0,
+    repeat_last_n: RepeatLastN = 64,
+    stop: Annotated[list[str] | None, typer.Option(help="End a reply before this string (repeatable; default: a blank line).", rich_help_panel=SAMPLE_PANEL)] = None,
+    seed: Seed = None,
+    load_state: LoadState = None,
+    save_state: SaveState = None,
+    compile_step: Compile = False,
+) -> None:
+    """Talk to a model: each line you type is read into the running state and the model answers.
+
+    History is never re-read, so turns stay as fast as the first. Ctrl-C stops a reply, Ctrl-D ends.
+    """
+    from aftgen.chat import run_chat
+    from aftgen.state import save_state as write_state
+
+    options = _sampling_options(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed, stop=stop or ["\n\n"],
+    )  # fmt: skip
+    _require_file(load_state, "state file")
+    _threads()
+    lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step)
+    context = run_chat(lm, tokenizer, options, context, step)
+    if save_state is not None and context is not None:
+        write_state(save_state, context, lm, tokenizer)
+        print(f"state saved to {save_state}", file=sys.stderr)
 
 
 @app.command("eval")
@@ -214,3 +345,35 @@ def evaluate(
             f"{result.bits_per_char:.4f} bits/char  {result.bits_per_byte:.4f} bits/byte  "
             f"({result.tokens:,} tokens, {result.chars:,} chars)"
         )
+
+
+bench_app = typer.Typer(help="Measure speed and memory on this machine.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("generate")
+@command
+def bench_generate(
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Checkpoint (default: the shipped model, else a random 'small' one).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per row on stdout.")] = False,
+) -> None:
+    """Per-token latency after 1k-100k tokens of context, ingestion speed, memory, and the matvec floor."""
+    from aftgen.api import default_model_path, load
+    from aftgen.bench import bench_generate as measure
+    from aftgen.bench import print_rows, random_model
+
+    _threads()
+    if model is None and not (default_model_path() / "config.json").exists():
+        print("no shipped model here: timing a randomly initialised preset 'small' model", file=sys.stderr)
+        lm = random_model("small")
+    else:
+        lm, _ = load(model)
+    print(f"bench generate: {lm.num_parameters():,} parameters, {torch_threads()} threads", file=sys.stderr)
+    rows = measure(lm, log=lambda line: print(line, file=sys.stderr))
+    print_rows(rows, as_json)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

@@ -1,0 +1,259 @@
+"""Generation: sampling controls, stop strings, streaming UTF-8, state files, prime and chat."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from aftgen import sampling
+from aftgen.api import load
+from aftgen.checkpoint import save_checkpoint
+from aftgen.cli import app
+from aftgen.errors import AftgenError
+from aftgen.sampling import (
+    SamplingOptions,
+    StopFilter,
+    apply_repeat_penalty,
+    choose,
+    filter_logits,
+    generate,
+    read_prompt,
+)
+from aftgen.state import load_state, save_state
+
+runner = CliRunner()
+PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+
+
+def kept(logits: torch.Tensor, **options) -> int:
+    return int(torch.isfinite(filter_logits(logits, SamplingOptions(temperature=1.0, **options))).sum())
+
+
+def test_top_k_keeps_exactly_k_even_with_ties():
+    assert kept(torch.randn(1, 50), top_k=5) == 5
+    assert kept(torch.zeros(1, 50), top_k=3) == 3
+
+
+@pytest.mark.parametrize("top_p,expected", [(0.5, 1), (0.8, 2), (0.81, 3), (0.95, 3), (0.96, 4), (1.0, 4)])
+def test_top_p_keeps_the_smallest_set_reaching_p(top_p, expected):
+    assert kept(PROBS.log(), top_p=top_p) == expected
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    assert kept(PROBS.log(), min_p=0.2) == 3  # 0.05 < 0.2 * 0.5
+    assert kept(PROBS.log(), min_p=0.7) == 1
+
+
+def test_temperature_sharpens_or_flattens():
+    logits = PROBS.log()
+    entropy = [-(p * p.log()).sum() for p in (filter_logits(logits, SamplingOptions(temperature=t)).softmax(-1) for t in (0.5, 1, 2))]
+    assert entropy[0] < entropy[1] < entropy[2]
+    greedy = choose(logits, SamplingOptions(temperature=0), torch.zeros(1, 0, dtype=torch.long), torch.Generator())
+    assert int(greedy) == 0
+
+
+def test_repeat_penalty_lowers_recent_tokens_logits():
+    logits = torch.tensor([[2.0, -2.0, 1.0]])
+    penalised = apply_repeat_penalty(logits, torch.tensor([[0, 1, 0]]), 2.0)
+    assert penalised.tolist() == [[1.0, -4.0, 1.0]]
+    # Through choose: a greedy pick moves off a token made recently.
+    options = SamplingOptions(temperature=0, repeat_penalty=3.0, repeat_last_n=2)
+    assert int(choose(torch.tensor([[2.0, 1.0]]), options, torch.tensor([[0]]), torch.Generator())) == 1
+    assert int(choose(torch.tensor([[2.0, 1.0]]), options, torch.tensor([[0, 1, 1]]), torch.Generator())) == 0
+
+
+def test_stop_filter_cuts_a_stop_string_split_across_pieces():
+    stops = StopFilter(("STOP",))
+    out = "".join(stops.feed(piece) for piece in ["ab", "c S", "T", "O", "P and more"])
+    assert out == "abc " and stops.stopped
+    partial = StopFilter(("STOP",))
+    assert partial.feed("xx ST") == "xx " and partial.flush() == "ST"  # held back, then given up at the end
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_run):
+    return load(tiny_run)
+
+
+def run_text(model, tokenizer, prompt: str, **options) -> str:
+    options = SamplingOptions(**options)
+    return "".join(generate(model, tokenizer, read_prompt(model, tokenizer, prompt, seed=options.seed), options))
+
+
+def test_generation_is_seeded_and_stop_strings_cut_it(tiny):
+    model, tokenizer = tiny
+    first = run_text(model, tokenizer, "KING:", max_new_tokens=40, seed=3, temperature=1.0)
+    assert first == run_text(model, tokenizer, "KING:", max_new_tokens=40, seed=3, temperature=1.0)
+    assert first != run_text(model, tokenizer, "KING:", max_new_tokens=40, seed=4, temperature=1.0)
+    stop = first[12:15]
+    cut = run_text(model, tokenizer, "KING:", max_new_tokens=40, seed=3, temperature=1.0, stop=(stop,))
+    assert cut == first[: first.find(stop)]
+
+
+def test_streaming_holds_byte_pieces_until_a_character_is_whole(tiny):
+    _, tokenizer = tiny
+    text = "na\u00efve \u65e5\u672c \U0001f600 \ue000s end"  # none of these is in the training corpus
+    decoder = tokenizer.stream_decoder()
+    pieces = [decoder.feed(token) for token in tokenizer.encode(text)] + [decoder.flush()]
+    assert "".join(pieces) == text
+    assert "" in pieces[:-1] and all("\ufffd" not in piece for piece in pieces)
+
+
+def test_cli_stream_through_a_pipe_is_valid_utf8(tiny_run):
+    done = subprocess.run(
+        [sys.executable, "-m", "aftgen", "sample", "--model", str(tiny_run), "-p", "\U0001f600 \u65e5", "-n", "60",
+         "--temperature", "3", "--seed", "1"],
+        capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode("utf-8").startswith("\U0001f600 \u65e5")  # strict: raises on a broken character
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "0"], "--top-p"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--top-k", "-1"], "--top-k"),
+        (["--min-p", "1"], "--min-p"),
+        (["--repeat-penalty", "0"], "--repeat-penalty"),
+        (["--repeat-last-n", "-1"], "--repeat-last-n"),
+        (["-n", "-2"], "--max-new-tokens"),
+        (["--num-samples", "0"], "--num-samples"),
+        (["--stop", ""], "--stop"),
+        (["--prompt-file", "/nonexistent/prompt.txt"], "no such file"),
+        (["--load-state", "/nonexistent/s.safetensors"], "no such state file"),
+        (["--num-samples", "2", "--save-state", "s.safetensors"], "--save-state"),
+    ],
+)
+def test_invalid_values_fail_before_any_work(args, message):
+    # The model does not exist either: the option error coming first shows nothing was loaded.
+    result = runner.invoke(app, ["sample", "--model", "/nonexistent/model", *args])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+
+
+def test_save_then_load_state_continues_exactly(tiny_run, tmp_path):
+    common = ["--model", str(tiny_run), "--temperature", "1.2", "--repeat-penalty", "1.3"]
+    whole = runner.invoke(app, ["sample", *common, "-p", "KING:", "-n", "60", "--seed", "5"])
+    first = runner.invoke(app, ["sample", *common, "-p", "KING:", "-n", "25", "--seed", "5", "--save-state", str(tmp_path / "s.safetensors")])
+    second = runner.invoke(app, ["sample", *common, "-n", "35", "--load-state", str(tmp_path / "s.safetensors")])
+    assert whole.exit_code == first.exit_code == second.exit_code == 0, first.stderr + second.stderr
+    assert first.stdout + second.stdout == whole.stdout
+
+
+def test_state_file_size_is_independent_of_history(tiny, tmp_path):
+    model, tokenizer = tiny
+    sizes = []
+    for prompt, tokens in (("KING:", 3), ("KING: " * 300, 200)):
+        context = read_prompt(model, tokenizer, prompt, seed=0)
+        "".join(generate(model, tokenizer, context, SamplingOptions(max_new_tokens=tokens), final=False))
+        save_state(tmp_path / "s.safetensors", context, model, tokenizer)
+        sizes.append((tmp_path / "s.safetensors").stat().st_size)
+    assert sizes[0] == sizes[1]
+
+
+def test_state_from_another_model_or_corrupt_bytes_is_refused(tiny, tmp_path):
+    model, tokenizer = tiny
+    path = tmp_path / "s.safetensors"
+    save_state(path, read_prompt(model, tokenizer, "KING:", seed=0), model, tokenizer)
+    torch.manual_seed(1)
+    changed = type(model)(model.config).eval()
+    with pytest.raises(AftgenError, match="different model weights"):
+        load_state(path, changed, tokenizer)
+    data = path.read_bytes()
+    for bad in (os.urandom(4000), data[: len(data) // 2], b"", data[:8]):
+        (tmp_path / "bad").write_bytes(bad)
+        with pytest.raises(AftgenError, match="state file"):
+            load_state(tmp_path / "bad", model, tokenizer)
+
+
+def test_cli_refuses_a_state_from_another_model(tiny, tiny_run, tmp_path):
+    model, tokenizer = tiny
+    other_run = tmp_path / "other"
+    torch.manual_seed(1)
+    save_checkpoint(other_run, type(model)(model.config), tokenizer)
+    state = tmp_path / "s.safetensors"
+    save_state(state, read_prompt(model, tokenizer, "KING:", seed=0), model, tokenizer)
+    result = runner.invoke(app, ["sample", "--model", str(other_run), "--load-state", str(state)])
+    assert result.exit_code == 2 and "different model weights" in result.stderr
+
+
+def test_prime_reads_a_long_text_in_chunks(tiny, tiny_run, corpus, tmp_path, monkeypatch):
+    model, tokenizer = tiny
+    style = tmp_path / "style.safetensors"
+    result = runner.invoke(app, ["prime", "--model", str(tiny_run), str(corpus), "-o", str(style)])
+    assert result.exit_code == 0, result.stderr
+    primed = load_state(style, model, tokenizer)
+    assert int(primed.state[0]["position"]) == 1 + len(tokenizer.encode(corpus.read_text()))
+    # Chunk boundaries do not change what was read.
+    monkeypatch.setattr(sampling, "PROMPT_CHUNK", 37)
+    small_chunks = read_prompt(model, tokenizer, corpus.read_text()[:3000], seed=0)
+    monkeypatch.undo()
+    one_pass = read_prompt(model, tokenizer, corpus.read_text()[:3000], seed=0)
+    assert (small_chunks.logits - one_pass.logits).abs().max() < 1e-4
+    sampled = runner.invoke(app, ["sample", "--model", str(tiny_run), "--load-state", str(style), "-n", "10", "--seed", "2"])
+    assert sampled.exit_code == 0 and sampled.stdout.strip()
+
+
+def test_chat_never_rereads_history(tiny, monkeypatch, capsys):
+    from aftgen.chat import run_chat
+
+    model, tokenizer = tiny
+    read_lengths = []
+    prefill = model.prefill
+    monkeypatch.setattr(model, "prefill", lambda ids, state=None: read_lengths.append(ids.shape[1]) or prefill(ids, state))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("KING:\nQUEEN: speak\nNURSE:\n"))
+    context = run_chat(model, tokenizer, SamplingOptions(max_new_tokens=15, seed=0), None, None)
+    replies = capsys.readouterr().out
+    assert replies.count("\n") >= 3
+    turns = [len(tokenizer.encode(line + "\n")) for line in ("KING:", "QUEEN: speak", "NURSE:")]
+    assert read_lengths == [turns[0] + 1, turns[1], turns[2]]  # only each new line (plus BOS at the start)
+    assert int(context.state[0]["position"]) == sum(turns) + 1 + 3 * 15
+
+
+def _read_into(stream, sink: list[bytes]) -> None:
+    for chunk in iter(lambda: stream.read1(4096), b""):
+        sink.append(chunk)
+
+
+def test_chat_ctrl_c_stops_the_reply_and_ctrl_d_exits(tiny_run):
+    chat = subprocess.Popen(
+        [sys.executable, "-m", "aftgen", "chat", "--model", str(tiny_run), "-n", "-1", "--stop", "NEVER-STOP-7"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    out, err = [], []
+    readers = [threading.Thread(target=_read_into, args=(s, sink), daemon=True) for s, sink in ((chat.stdout, out), (chat.stderr, err))]
+    for reader in readers:
+        reader.start()
+
+    def wait_for(condition, timeout=60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert chat.poll() is None and time.monotonic() < deadline, b"".join(err).decode()
+            time.sleep(0.05)
+
+    try:
+        for turn, line in enumerate((b"KING:\n", b"QUEEN:\n")):
+            chat.stdin.write(line)
+            chat.stdin.flush()
+            seen = len(b"".join(out))
+            wait_for(lambda seen=seen: len(b"".join(out)) > seen + 20)  # the reply streams, with no end of its own
+            chat.send_signal(signal.SIGINT)
+            wait_for(lambda turn=turn: b"".join(err).count(b"[stopped]") == turn + 1)
+        chat.stdin.close()  # Ctrl-D
+        assert chat.wait(timeout=60) == 0, b"".join(err).decode()
+    finally:
+        chat.kill()
+    assert b"".join(out).decode("utf-8").strip()
