@@ -29,11 +29,15 @@ def read_text(path: Path | str, encoding: str = "utf-8", errors: str = "strict")
         raise AftgenError(f"{path}: no such file")
     if path.is_dir():
         raise AftgenError(f"{path}: is a directory, expected a text file")
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise AftgenError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not data:
         raise AftgenError(f"{path}: file is empty")
-    if b"\x00" in data and encoding.lower().replace("-", "") == "utf8":
-        raise AftgenError(f"{path}: contains NUL bytes, so it looks binary; pass a text file")
+    # A stray NUL is just a character; many of them mean a binary file (or UTF-16 text).
+    if data.count(b"\x00") * 1000 > len(data) and encoding.lower().replace("-", "") == "utf8":
+        raise AftgenError(f"{path}: full of NUL bytes, so it looks binary; pass a text file (or --encoding utf-16)")
     try:
         text = data.decode(encoding, errors=errors)
     except UnicodeDecodeError as exc:

@@ -12,13 +12,18 @@ from typing import IO
 
 from aftgen.errors import AftgenError
 
+_TEMPORARY = ".tmp"  # a file being written is ".<name>.<random>.tmp" beside its final place
+
 
 @contextlib.contextmanager
 def atomic_open(path: Path | str, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary file beside `path`; on success it is fsynced and renamed over `path`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TEMPORARY)
+    except OSError as exc:
+        raise _write_error(path, exc) from None
     try:
         with os.fdopen(fd, mode) as handle:
             yield handle
@@ -28,9 +33,31 @@ def atomic_open(path: Path | str, mode: str = "wb") -> Iterator[IO]:
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            raise AftgenError(f"disk full while writing {path}; the previous version is intact") from None
+        if isinstance(exc, OSError):
+            raise _write_error(path, exc) from None
         raise
+
+
+def _write_error(path: Path, exc: OSError) -> AftgenError:
+    """Full disk, quota, permissions, read-only file system: say which file, and that nothing was lost."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return AftgenError(f"disk full while writing {path}; the previous version is intact: free some space and retry")
+    return AftgenError(f"cannot write {path} ({exc.strerror or exc}); the previous version is intact")
+
+
+def prepare_folder(folder: Path | str) -> None:
+    """Create `folder`, refusing one that cannot be written (before hours of work, not after), and
+    delete the half-written temporary files a killed process left there (never a real file)."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise AftgenError(f"cannot create folder {folder} ({exc.strerror or exc})") from None
+    if not os.access(folder, os.W_OK):
+        raise AftgenError(f"{folder}: folder is not writable")
+    for stale in folder.glob(f".*{_TEMPORARY}"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
 
 
 def atomic_write(path: Path | str, data: bytes | str) -> None:

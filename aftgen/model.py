@@ -26,6 +26,12 @@ MIXERS = ("aft_local", "aft_simple", "aft_full", "attention")
 
 ModelState = list[MixerState]
 
+# Far beyond anything aftgen trains, these keep a hostile or mistyped config.json (or option) from
+# asking for terabytes, or for sizes that overflow torch's integers, before any weights are read.
+LIMITS = {"vocab_size": 1 << 20, "n_layer": 1024, "n_embd": 1 << 16, "n_head": 1 << 12, "window": 1 << 20,
+          "context_length": 1 << 20, "mlp_ratio": 64}  # fmt: skip
+MAX_PARAMETERS = 1 << 32  # 16 GiB of fp32 weights
+
 
 @dataclass
 class AFTConfig:
@@ -56,6 +62,11 @@ class AFTConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise AftgenError(f"config field '{name}' must be positive, got {getattr(self, name)}")
+        for name, limit in LIMITS.items():
+            if getattr(self, name) > limit:
+                raise AftgenError(f"config field '{name}' must be at most {limit}, got {getattr(self, name)}")
+        if self.approximate_parameters() > MAX_PARAMETERS:
+            raise AftgenError(f"this config needs about {self.approximate_parameters():.3g} parameters, more than aftgen's limit of {MAX_PARAMETERS:.3g}")
         if self.n_embd % self.n_head:
             raise AftgenError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
         if not 0 <= self.window <= self.context_length:
@@ -64,6 +75,11 @@ class AFTConfig:
             raise AftgenError(f"unknown mixer '{self.mixer}'; choose one of: {', '.join(MIXERS)}")
         if not 0.0 <= self.dropout < 1.0:
             raise AftgenError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    def approximate_parameters(self) -> int:
+        """Embedding plus the blocks' matrices and position biases (within a few percent)."""
+        per_layer = (4 + 2 * self.mlp_ratio) * self.n_embd**2 + self.n_head * self.context_length
+        return self.vocab_size * self.n_embd + self.n_layer * per_layer
 
     def to_dict(self) -> dict:
         return asdict(self)

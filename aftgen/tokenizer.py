@@ -41,13 +41,20 @@ class Tokenizer:
         self.sp = spm.SentencePieceProcessor()
         try:
             self.sp.LoadFromSerializedProto(model_proto)
-        except Exception as exc:  # sentencepiece raises plain RuntimeError/OSError on bad files
+            # A damaged file can load and still hold pieces that are not UTF-8 or bad byte pieces.
+            self._piece_bytes = [self._bytes_of(i) for i in range(self.sp.get_piece_size())]
+        except Exception as exc:  # sentencepiece raises plain RuntimeError/OSError/UnicodeDecodeError
             raise AftgenError(f"tokenizer.model is not a valid SentencePiece model ({exc})") from None
-        self._piece_bytes = [self._bytes_of(i) for i in range(self.sp.get_piece_size())]
+        if self.bos_id < 0:  # every sequence starts with BOS; aftgen's tokenizers always have one
+            raise AftgenError("tokenizer.model has no BOS piece, so it was not made by aftgen")
 
     @classmethod
     def load(cls, path: Path) -> Tokenizer:
-        return cls(Path(path).read_bytes())
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise AftgenError(f"{path}: cannot read tokenizer ({exc.strerror or exc})") from None
+        return cls(data)
 
     @property
     def vocab_size(self) -> int:
