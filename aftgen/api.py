@@ -6,6 +6,7 @@ from pathlib import Path
 
 from aftgen.checkpoint import load_checkpoint
 from aftgen.errors import AftgenError
+from aftgen.hub import resolve_model
 from aftgen.model import AFTLM
 from aftgen.tokenizer import Tokenizer
 
@@ -20,13 +21,11 @@ def default_model_path() -> Path:
 
 
 def load(path: str | Path | None = None) -> tuple[AFTLM, Tokenizer]:
-    """Load (model, tokenizer) from a checkpoint folder; None means the shipped default model."""
+    """Load (model, tokenizer) from a checkpoint folder or a Hub id (OWNER/NAME[@REV], fetched through the
+    Hugging Face cache); None means the shipped default model."""
     if path is None:
         location = default_model_path()
         if not (location / "config.json").exists():
             raise AftgenError("the shipped default model is missing from this install; pass --model PATH")
         return load_checkpoint(location)
-    location = Path(path)
-    if not location.exists():
-        raise AftgenError(f"{path}: no such checkpoint folder")
-    return load_checkpoint(location)
+    return load_checkpoint(resolve_model(path))

@@ -91,15 +91,25 @@ def load_weights(path: Path, model: AFTLM) -> None:
     model.load_state_dict(tensors)
 
 
-def load_checkpoint(directory: Path | str) -> tuple[AFTLM, Tokenizer]:
-    """Load a local checkpoint folder as (model in eval mode, tokenizer)."""
+def check_checkpoint(directory: Path | str) -> AFTConfig:
+    """Refuse a folder that is not a complete aftgen checkpoint; return its validated config."""
     directory = Path(directory)
     if not directory.is_dir():
         raise AftgenError(f"{directory}: no such checkpoint folder")
     missing = [name for name in CHECKPOINT_FILES if not (directory / name).is_file()]
-    if missing:
+    # Another library's config.json says most about what the folder is, so it is read before the rest is missed.
+    if CONFIG in missing:
         raise AftgenError(f"{directory}: not an aftgen checkpoint (missing {', '.join(missing)})")
     config = read_config(directory)
+    if missing:
+        raise AftgenError(f"{directory}: not an aftgen checkpoint (missing {', '.join(missing)})")
+    return config
+
+
+def load_checkpoint(directory: Path | str) -> tuple[AFTLM, Tokenizer]:
+    """Load a local checkpoint folder as (model in eval mode, tokenizer)."""
+    directory = Path(directory)
+    config = check_checkpoint(directory)
     tokenizer = Tokenizer.load(directory / TOKENIZER)
     if tokenizer.vocab_size != config.vocab_size:
         raise AftgenError(

@@ -300,6 +300,18 @@ def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str =
     return "\n".join(lines)
 
 
+def run_card(out: Path, config: AFTConfig, sample: str = "") -> str:
+    """The model card of the run in `out`, from its training.json and metrics.jsonl (either may be absent)."""
+    try:
+        info = json.loads((out / TRAINING_INFO).read_text()) if (out / TRAINING_INFO).exists() else {}
+        metrics = _read_metrics(out)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AftgenError(f"{out}: cannot read {TRAINING_INFO} or {METRICS} ({exc})") from None
+    if not isinstance(info, dict) or not all(isinstance(row, dict) for row in metrics):
+        raise AftgenError(f"{out}: {TRAINING_INFO} or {METRICS} does not hold JSON objects")
+    return model_card(config, info, metrics, sample)
+
+
 def train(options: TrainOptions, quiet: bool = False, on_eval: Callable[[dict], None] | None = None) -> Path:
     """Train a tokenizer and a model on options.corpus; returns the run folder."""
     options.check()

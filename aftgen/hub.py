@@ -1,0 +1,158 @@
+"""The Hugging Face Hub: pull checkpoints into the standard HF cache, push runs with a model card.
+
+Everything goes through huggingface_hub, so its settings apply unchanged: HF_HOME / HF_HUB_CACHE
+(where the cache is), HF_ENDPOINT (which Hub), HF_TOKEN (who you are) and HF_HUB_OFFLINE (no network:
+serve from the cache). Only the checkpoint files and the card are fetched, whatever else a repo holds.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from aftgen.checkpoint import CARD, CHECKPOINT_FILES, check_checkpoint, load_checkpoint
+from aftgen.errors import AftgenError
+
+PULLED_FILES = [*CHECKPOINT_FILES, CARD]
+# OWNER/NAME with an optional @REVISION (branch, tag or commit), as the Hub spells repo ids.
+HUB_ID = re.compile(r"(?P<repo_id>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[^@\s]+))?")
+CARD_SAMPLE_TOKENS = 80
+
+
+def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
+    """'OWNER/NAME[@REV]' -> (repo_id, revision or None); None when `spec` is not shaped like a Hub id."""
+    match = HUB_ID.fullmatch(spec)
+    return (match["repo_id"], match["revision"]) if match else None
+
+
+def resolve_model(spec: str | Path) -> Path:
+    """A --model value as a local checkpoint folder.
+
+    An existing local path wins; otherwise OWNER/NAME[@REV] is fetched through the Hugging Face cache
+    (offline, a model pulled once is served from there).
+    """
+    local = Path(spec)
+    if local.exists():
+        return local
+    hub_id = parse_hub_id(str(spec))
+    if hub_id is None:
+        raise AftgenError(f"{spec}: no such checkpoint folder (nor a Hub id of the form OWNER/NAME[@REVISION])")
+    return pull(*hub_id)
+
+
+def pull(repo_id: str, revision: str | None = None) -> Path:
+    """Download an aftgen checkpoint into the Hugging Face cache (or find it there); returns its folder."""
+    from huggingface_hub import snapshot_download
+
+    name = f"{repo_id}@{revision}" if revision else repo_id
+    with hub_errors(name, revision):
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=PULLED_FILES))
+    try:
+        check_checkpoint(folder)
+    except AftgenError as exc:  # name the repo, not the cache folder it landed in
+        raise AftgenError(str(exc).replace(str(folder), name)) from None
+    return folder
+
+
+def push(
+    run_dir: str | Path,
+    repo_id: str,
+    private: bool = False,
+    revision: str | None = None,
+    include_training_state: bool = False,
+) -> str:
+    """Upload a run's checkpoint and a fresh model card (with a sample) to the Hub; returns the commit URL.
+
+    The repo is created if needed; `revision` names a branch, created from main if it does not exist.
+    Optimiser state (training_state.safetensors, training.json) stays local unless include_training_state.
+    """
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    from aftgen.training import METRICS, TRAINING_INFO, TRAINING_STATE, run_card
+
+    run_dir = Path(run_dir)
+    model, tokenizer = load_checkpoint(run_dir)  # only a complete, valid checkpoint is worth sharing
+    card = run_card(run_dir, model.config, _card_sample(model, tokenizer))
+    files = [*CHECKPOINT_FILES, *([METRICS] if (run_dir / METRICS).is_file() else [])]
+    if include_training_state:
+        missing = [name for name in (TRAINING_STATE, TRAINING_INFO) if not (run_dir / name).is_file()]
+        if missing:
+            raise AftgenError(f"{run_dir}: no training state to include (missing {', '.join(missing)})")
+        files += [TRAINING_STATE, TRAINING_INFO]
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(run_dir / name)) for name in files]
+    operations.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
+
+    api = HfApi()
+    with hub_errors(repo_id, revision, writing=True):
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        commit = api.create_commit(
+            repo_id, operations, commit_message=f"Upload aftgen model from {run_dir.name}", revision=revision
+        )
+    return commit.commit_url
+
+
+def _card_sample(model, tokenizer) -> str:
+    """A short seeded continuation of nothing, so the card shows what the model writes."""
+    from aftgen.sampling import SamplingOptions, read_prompt, sample_text
+
+    context = read_prompt(model, tokenizer, "", seed=0)
+    (pieces,) = sample_text(model, tokenizer, context, SamplingOptions(max_new_tokens=CARD_SAMPLE_TOKENS, seed=0))
+    return "".join(pieces).strip()
+
+
+@contextmanager
+def hub_errors(name: str, revision: str | None = None, writing: bool = False) -> Iterator[None]:
+    """Turn huggingface_hub's exceptions into one AftgenError line that says what to do."""
+    import httpx2
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    hub, cache = constants.ENDPOINT, constants.HF_HUB_CACHE
+    token_hint = "set HF_TOKEN to a token with write access" if writing else "a private one needs HF_TOKEN"
+    try:
+        yield
+    except HFValidationError:
+        raise AftgenError(f"'{name}' is not a valid Hub id; use OWNER/NAME, optionally @REVISION") from None
+    except GatedRepoError:
+        raise AftgenError(f"{name}: gated repository; accept its terms on {hub} and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise AftgenError(f"{name}: no such model repository on {hub} ({token_hint})") from None
+    except RevisionNotFoundError:
+        raise AftgenError(f"{name}: the repository has no revision '{revision}' (a branch, tag or commit)") from None
+    except RemoteEntryNotFoundError as exc:
+        raise AftgenError(f"{name}: a file is missing on the Hub ({_first_line(exc)})") from None
+    except LocalEntryNotFoundError:
+        if constants.HF_HUB_OFFLINE:
+            raise AftgenError(
+                f"{name}: not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set; "
+                f"run `aftgen pull {name}` with network access first"
+            ) from None
+        raise AftgenError(
+            f"{name}: cannot reach {hub} and the model is not in the Hugging Face cache ({cache}); "
+            "check the network (or HF_ENDPOINT) and retry"
+        ) from None
+    except OfflineModeIsEnabled:
+        raise AftgenError(f"{name}: HF_HUB_OFFLINE is set, and this needs the network; unset it") from None
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else "?"
+        hint = token_hint if status in (401, 403) else "retry later"
+        raise AftgenError(f"{name}: {hub} answered HTTP {status}: {_first_line(exc)} ({hint})") from None
+    except httpx2.TransportError as exc:
+        raise AftgenError(f"{name}: cannot reach {hub} ({type(exc).__name__}); check the network or HF_ENDPOINT") from None
+
+
+def _first_line(exc: Exception) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)

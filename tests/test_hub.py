@@ -1,0 +1,168 @@
+"""pull / push / --model OWNER/NAME through huggingface_hub's real code, against a local fake Hub."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fake_hub import FakeHub
+from typer.testing import CliRunner
+
+from aftgen.checkpoint import CHECKPOINT_FILES
+from aftgen.cli import app
+from aftgen.errors import AftgenError
+from aftgen.hub import parse_hub_id, resolve_model
+
+TOKEN = "hf_test_token"
+SAMPLE = ["-p", "KING:", "-n", "30", "--seed", "3"]
+
+
+def hub_env(hub: FakeHub, home: Path, **extra: str) -> dict[str, str]:
+    """The environment of a user of `hub` whose Hugging Face cache is `home` (read at import: hence subprocesses)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(
+        HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_TOKEN=TOKEN, HF_HUB_DISABLE_PROGRESS_BARS="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+    )  # fmt: skip
+    return env | extra
+
+
+def aftgen(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aftgen", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+# Runs commands one after another in one fresh interpreter, as a user would in one shell: importing torch
+# costs seconds per process on a busy 2-core machine.
+SESSION = """
+import json, sys
+from typer.testing import CliRunner
+from aftgen.cli import app
+done = [CliRunner().invoke(app, args) for args in json.loads(sys.argv[1])]
+print(json.dumps([[r.exit_code, r.stdout, r.stderr] for r in done]))
+"""
+
+
+def aftgen_session(env: dict[str, str], *commands: list[str]) -> list[subprocess.CompletedProcess]:
+    ran = subprocess.run([sys.executable, "-c", SESSION, json.dumps(commands)], capture_output=True, text=True, env=env, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    return [subprocess.CompletedProcess(args, *outcome) for args, outcome in zip(commands, json.loads(ran.stdout), strict=True)]
+
+
+def checkpoint_files(run: Path) -> dict[str, bytes]:
+    return {name: (run / name).read_bytes() for name in CHECKPOINT_FILES}
+
+
+@pytest.fixture(scope="module")
+def hub(tiny_run):
+    """A Hub holding alice/tiny (the tiny run) and some repos that are not usable aftgen checkpoints."""
+    with FakeHub(token=TOKEN) as server:
+        plant = {
+            "alice/tiny": checkpoint_files(tiny_run),
+            "bob/gpt2": {"config.json": b'{"model_type": "gpt2", "n_layer": 12}', "model.safetensors": b"\0" * 64},
+            "bob/broken-config": checkpoint_files(tiny_run) | {"config.json": b'{"model_type": "aftgen",'},
+            "bob/broken-weights": checkpoint_files(tiny_run) | {"model.safetensors": b"not safetensors at all"},
+        }
+        for repo_id, files in plant.items():
+            server.create_repo(repo_id)
+            server.commit(repo_id, "main", files)
+        yield server
+
+
+def test_push_pull_and_sample_by_hub_id_then_offline(tmp_path, tiny_run):
+    with FakeHub(token=TOKEN) as server:
+        env = hub_env(server, tmp_path / "hf")
+        pushed, pulled, by_id = aftgen_session(
+            env, ["push", str(tiny_run), "carol/tiny"], ["pull", "carol/tiny"], ["sample", "--model", "carol/tiny", *SAMPLE]
+        )
+        assert pushed.returncode == 0, pushed.stderr
+        assert pushed.stdout.strip().startswith(f"{server.url}/carol/tiny/commit/")
+        uploaded = server.files("carol/tiny")
+        assert {"config.json", "model.safetensors", "tokenizer.model", "README.md", "metrics.jsonl"} <= set(uploaded)
+        assert not {"training_state.safetensors", "training.json"} & set(uploaded)  # optimiser state stays home
+        assert uploaded["model.safetensors"] == (tiny_run / "model.safetensors").read_bytes()
+        card = uploaded["README.md"].decode()
+        assert "library_name: aftgen" in card and "A sample:" in card and "held-out" in card
+
+        assert pulled.returncode == 0, pulled.stderr
+        folder = Path(pulled.stdout.strip())
+        assert folder.is_relative_to(tmp_path / "hf" / "hub") and (folder / "model.safetensors").is_file()
+
+        local = CliRunner().invoke(app, ["sample", "--model", str(tiny_run), *SAMPLE])
+        assert local.exit_code == 0, local.output
+        assert by_id.returncode == 0, by_id.stderr
+        assert by_id.stdout == local.stdout
+    # The server is gone: the cache serves the model, with HF_HUB_OFFLINE and without it.
+    offline = aftgen({**env, "HF_HUB_OFFLINE": "1"}, "sample", "--model", "carol/tiny", *SAMPLE)
+    assert offline.returncode == 0, offline.stderr
+    assert offline.stdout == local.stdout
+    unreachable = aftgen(env, "sample", "--model", "carol/tiny", *SAMPLE)
+    assert unreachable.returncode == 0, unreachable.stderr
+    assert unreachable.stdout == local.stdout
+
+
+def test_training_state_is_uploaded_only_on_request(hub, tmp_path, tiny_run):
+    env = hub_env(hub, tmp_path / "hf")
+    done, pulled = aftgen_session(
+        env,
+        ["push", str(tiny_run), "dave/resumable", "--revision", "dev", "--include-training-state", "--private"],
+        ["pull", "dave/resumable@dev"],
+    )
+    assert done.returncode == 0, done.stderr
+    assert hub.repos["dave/resumable"].private
+    on_dev = hub.files("dave/resumable", "dev")
+    assert on_dev["training_state.safetensors"] == (tiny_run / "training_state.safetensors").read_bytes()
+    assert json.loads(on_dev["training.json"])["step"] == 40
+    assert set(hub.files("dave/resumable", "main")) == {".gitattributes"}  # --revision committed to the branch only
+    anonymous = aftgen(hub_env(hub, tmp_path / "anonymous", HF_TOKEN=""), "pull", "dave/resumable@dev")
+    assert anonymous.returncode == 2 and "no such model repository" in anonymous.stderr  # private: needs HF_TOKEN
+    assert pulled.returncode == 0, pulled.stderr
+    assert (Path(pulled.stdout.strip()) / "config.json").is_file()
+
+
+ERRORS = {
+    "repo": (["pull", "alice/nope"], "alice/nope: no such model repository"),
+    "revision": (["sample", "-m", "alice/tiny@nope"], "has no revision 'nope'"),
+    "not-aftgen": (["pull", "bob/gpt2"], "bob/gpt2/config.json: model_type is 'gpt2', not 'aftgen'"),
+    "bad-config": (["sample", "-m", "bob/broken-config"], "bob/broken-config/config.json: not valid JSON"),
+    "bad-weights": (["sample", "-m", "bob/broken-weights"], "cannot read weights"),
+    "push-no-run": (["push", "nowhere", "alice/x"], "nowhere: no such checkpoint folder"),
+}
+
+
+@pytest.fixture(scope="module")
+def error_outcomes(hub, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    env = hub_env(hub, tmp_path_factory.mktemp("hf"))
+    return dict(zip(ERRORS, aftgen_session(env, *(args for args, _ in ERRORS.values())), strict=True))
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, message: str) -> None:
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    assert done.stderr.startswith("error: ") and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+@pytest.mark.parametrize("case", ERRORS)
+def test_errors_are_one_line_and_exit_2(error_outcomes, case):
+    assert_one_line_error(error_outcomes[case], ERRORS[case][1])
+
+
+def test_offline_and_not_cached_is_one_line_from_the_real_entry_point(hub, tmp_path):
+    done = aftgen(hub_env(hub, tmp_path / "hf", HF_HUB_OFFLINE="1"), "sample", "-m", "alice/tiny")
+    assert_one_line_error(done, "alice/tiny: not in the Hugging Face cache")
+    assert "HF_HUB_OFFLINE is set" in done.stderr
+
+
+def test_model_spec_local_folder_wins_and_hub_ids_are_recognised(tmp_path, monkeypatch):
+    assert parse_hub_id("alice/tiny") == ("alice/tiny", None)
+    assert parse_hub_id("alice/tiny@v1.0") == ("alice/tiny", "v1.0")
+    assert parse_hub_id("runs") is None and parse_hub_id("/abs/path") is None and parse_hub_id("a/b/c") is None
+    (tmp_path / "alice" / "tiny").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("alice/tiny") == Path("alice/tiny")  # an existing folder is never looked up online
+    with pytest.raises(AftgenError, match="no such checkpoint folder"):
+        resolve_model("not-here")
