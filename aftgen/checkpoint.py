@@ -50,9 +50,15 @@ def read_config(directory: Path | str) -> AFTConfig:
     """Parse and validate config.json."""
     path = Path(directory) / CONFIG
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise AftgenError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
         raise AftgenError(f"{path}: not valid JSON ({exc})") from None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # also integers too long to parse and absurd nesting
+        raise AftgenError(f"{path}: not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(data, dict):
         raise AftgenError(f"{path}: must hold a JSON object")
     data = dict(data)
@@ -69,7 +75,10 @@ def read_config(directory: Path | str) -> AFTConfig:
 
 
 def load_weights(path: Path, model: AFTLM) -> None:
-    """Load safetensors weights into `model`, refusing any missing, extra or misshapen tensor."""
+    """Load safetensors weights into `model`, refusing any missing, extra or misshapen tensor.
+
+    The tensors are assigned, not copied, so `model` may live on the meta device (no memory yet).
+    """
     try:
         tensors = load_safetensors(path.read_bytes())
     except (SafetensorError, ValueError, OSError) as exc:
@@ -88,7 +97,7 @@ def load_weights(path: Path, model: AFTLM) -> None:
             )
         if not torch.isfinite(tensor).all():
             raise AftgenError(f"{path}: tensor '{name}' holds NaN or inf")
-    model.load_state_dict(tensors)
+    model.load_state_dict(tensors, assign=True)
 
 
 def check_checkpoint(directory: Path | str) -> AFTConfig:
@@ -115,6 +124,8 @@ def load_checkpoint(directory: Path | str) -> tuple[AFTLM, Tokenizer]:
         raise AftgenError(
             f"{directory}: tokenizer has {tokenizer.vocab_size} pieces but config.json says vocab_size {config.vocab_size}"
         )
-    model = AFTLM(config)
+    # Built without memory and filled from the file, so a config cannot allocate more than the weights hold.
+    with torch.device("meta"):
+        model = AFTLM(config)
     load_weights(directory / WEIGHTS, model)
     return model.eval(), tokenizer
