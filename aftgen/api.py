@@ -21,8 +21,10 @@ def default_model_path() -> Path:
 
 
 def load(path: str | Path | None = None) -> tuple[AFTLM, Tokenizer]:
-    """Load (model, tokenizer) from a checkpoint folder or a Hub id (OWNER/NAME[@REV], fetched through the
-    Hugging Face cache); None means the shipped default model."""
+    """Load (model, tokenizer) from a checkpoint folder or a Hub id; None means the shipped default model.
+
+    A Hub id, OWNER/NAME[@REV], is fetched through the Hugging Face cache (so it works offline once pulled).
+    """
     if path is None:
         location = default_model_path()
         if not (location / "config.json").exists():

@@ -13,7 +13,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from aftgen.checkpoint import CARD, CHECKPOINT_FILES, check_checkpoint, load_checkpoint
+from aftgen.data import read_text
 from aftgen.errors import AftgenError
+from aftgen.model import AFTLM
+from aftgen.tokenizer import Tokenizer
 
 PULLED_FILES = [*CHECKPOINT_FILES, CARD]
 # OWNER/NAME with an optional @REVISION (branch, tag or commit), as the Hub spells repo ids.
@@ -66,6 +69,7 @@ def push(
     """Upload a run's checkpoint and a fresh model card (with a sample) to the Hub; returns the commit URL.
 
     The repo is created if needed; `revision` names a branch, created from main if it does not exist.
+    A folder with a README.md but no training.json (a curated checkpoint) keeps its own card.
     Optimiser state (training_state.safetensors, training.json) stays local unless include_training_state.
     """
     from huggingface_hub import CommitOperationAdd, HfApi
@@ -74,7 +78,10 @@ def push(
 
     run_dir = Path(run_dir)
     model, tokenizer = load_checkpoint(run_dir)  # only a complete, valid checkpoint is worth sharing
-    card = run_card(run_dir, model.config, _card_sample(model, tokenizer))
+    if (run_dir / CARD).is_file() and not (run_dir / TRAINING_INFO).is_file():
+        card = read_text(run_dir / CARD)  # a curated checkpoint (models/...): its own card
+    else:
+        card = run_card(run_dir, model.config, _card_sample(model, tokenizer))
     files = [*CHECKPOINT_FILES, *([METRICS] if (run_dir / METRICS).is_file() else [])]
     if include_training_state:
         missing = [name for name in (TRAINING_STATE, TRAINING_INFO) if not (run_dir / name).is_file()]
@@ -95,7 +102,7 @@ def push(
     return commit.commit_url
 
 
-def _card_sample(model, tokenizer) -> str:
+def _card_sample(model: AFTLM, tokenizer: Tokenizer) -> str:
     """A short seeded continuation of nothing, so the card shows what the model writes."""
     from aftgen.sampling import SamplingOptions, read_prompt, sample_text
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -104,13 +105,22 @@ def test_push_pull_and_sample_by_hub_id_then_offline(tmp_path, tiny_run):
     assert unreachable.stdout == local.stdout
 
 
-def test_training_state_is_uploaded_only_on_request(hub, tmp_path, tiny_run):
+def test_push_options(hub, tmp_path, tiny_run):
+    """--include-training-state, --revision, --private, and a curated folder keeping its own card."""
+    curated = tmp_path / "curated"
+    curated.mkdir()
+    for name in CHECKPOINT_FILES:
+        shutil.copy(tiny_run / name, curated)
+    (curated / "README.md").write_text("---\nlibrary_name: aftgen\n---\n# Hand-written card\n")
     env = hub_env(hub, tmp_path / "hf")
-    done, pulled = aftgen_session(
+    done, pulled, kept = aftgen_session(
         env,
         ["push", str(tiny_run), "dave/resumable", "--revision", "dev", "--include-training-state", "--private"],
         ["pull", "dave/resumable@dev"],
+        ["push", str(curated), "dave/curated"],
     )
+    assert kept.returncode == 0, kept.stderr
+    assert hub.files("dave/curated")["README.md"] == (curated / "README.md").read_bytes()
     assert done.returncode == 0, done.stderr
     assert hub.repos["dave/resumable"].private
     on_dev = hub.files("dave/resumable", "dev")
