@@ -13,15 +13,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from aftgen import data
-from aftgen.checkpoint import save_checkpoint
+from aftgen.checkpoint import is_checkpoint, save_checkpoint
 from aftgen.errors import AftgenError
 from aftgen.evaluate import evaluate_text
-from aftgen.files import atomic_write
+from aftgen.files import atomic_write, prepare_folder
 from aftgen.model import AFTLM, MIXERS, AFTConfig
 from aftgen.tokenizer import Tokenizer
 
@@ -98,6 +98,10 @@ class TrainOptions:
             raise AftgenError(f"--batch-size must be positive, got {settings['batch_size']}")
         if settings["mixer"] not in MIXERS:
             raise AftgenError(f"unknown --mixer '{settings['mixer']}'; choose one of: {', '.join(MIXERS)}")
+        for name, flag in (("n_layer", "--layers"), ("n_embd", "--width"), ("n_head", "--heads"), ("context_length", "--context-length")):
+            if settings[name] <= 0:
+                raise AftgenError(f"{flag} must be positive, got {settings[name]}")
+        AFTConfig(vocab_size=self.vocab_size, **{k: settings[k] for k in MODEL_FIELDS})  # window <= context, ...
 
 
 def parse_duration(text: str) -> float:
@@ -226,29 +230,42 @@ def _save_training_state(out: Path, model: AFTLM, optimizer, generator: torch.Ge
     atomic_write(out / TRAINING_STATE, save_safetensors(tensors, metadata=metadata))
 
 
-def _load_training_state(out: Path, model: AFTLM, optimizer, generator: torch.Generator) -> dict:
+def _bad_training_state(path: Path, exc: Exception) -> AftgenError:
+    return AftgenError(f"{path}: cannot read training state ({str(exc)[:200]}); start again with --overwrite")
+
+
+def _read_training_info(out: Path) -> tuple[dict, list]:
+    """The run's info (settings, step, ...) and the optimiser's param groups, from the state file's header.
+
+    The state file alone describes the run, so a kill between writing it and training.json loses nothing.
+    """
     path = out / TRAINING_STATE
     try:
-        raw = path.read_bytes()
-        tensors = load_safetensors(raw)
-        from safetensors import safe_open  # metadata lives in the header
-
         with safe_open(str(path), "pt") as handle:
             metadata = handle.metadata()
-        info, groups = json.loads(metadata["info"]), json.loads(metadata["param_groups"])
+        return json.loads(metadata["info"]), json.loads(metadata["param_groups"])
     except (OSError, SafetensorError, ValueError, KeyError, TypeError) as exc:
-        raise AftgenError(f"{path}: cannot read training state ({exc}); start again with --overwrite") from None
-    model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
-    state: dict[int, dict] = {}
-    for name, value in tensors.items():
-        if name.startswith("optimizer."):
-            _, index, key = name.split(".", 2)
-            state.setdefault(int(index), {})[key] = value
-    for group in groups:
-        group["betas"] = tuple(group["betas"])
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-    torch.set_rng_state(tensors["rng.torch"])
-    generator.set_state(tensors["rng.data"])
+        raise _bad_training_state(path, exc) from None
+
+
+def _load_training_state(out: Path, model: AFTLM, optimizer, generator: torch.Generator) -> dict:
+    path = out / TRAINING_STATE
+    info, groups = _read_training_info(out)
+    try:
+        tensors = load_safetensors(path.read_bytes())
+        model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
+        state: dict[int, dict] = {}
+        for name, value in tensors.items():
+            if name.startswith("optimizer."):
+                _, index, key = name.split(".", 2)
+                state.setdefault(int(index), {})[key] = value
+        for group in groups:
+            group["betas"] = tuple(group["betas"])
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        torch.set_rng_state(tensors["rng.torch"])
+        generator.set_state(tensors["rng.data"])
+    except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise _bad_training_state(path, exc) from None
     return info
 
 
@@ -318,13 +335,15 @@ def train(options: TrainOptions, quiet: bool = False, on_eval: Callable[[dict], 
     corpus = Path(options.corpus)
     out = Path(options.out) if options.out else Path("runs") / corpus.stem
     settings = options.resolved()
-    if not options.resume and not options.overwrite and (out / TRAINING_INFO).exists():
-        raise AftgenError(f"{out} already holds a run; pass --resume to continue it or --overwrite to replace it")
+    holds_run = (out / TRAINING_INFO).exists() or (out / TRAINING_STATE).exists() or is_checkpoint(out)
+    if not options.resume and not options.overwrite and holds_run:
+        raise AftgenError(f"{out} already holds a run (or a checkpoint); pass --resume to continue it or --overwrite to replace it")
     if options.resume and not (out / TRAINING_STATE).exists():
         raise AftgenError(f"{out} has no training state to resume; drop --resume to start a new run")
     if options.resume:
-        saved = json.loads((out / TRAINING_INFO).read_text())
+        saved, _ = _read_training_info(out)
         settings = saved["settings"]
+    prepare_folder(out)
 
     text = data.read_text(corpus, options.encoding, options.errors)
     train_text, held_out_text = data.split_text(text)
@@ -371,11 +390,22 @@ def train(options: TrainOptions, quiet: bool = False, on_eval: Callable[[dict], 
         chars_per_token = len(held_out_text) / max(1, len(held_out_ids) - 1)
         batch_size = settings["batch_size"]
 
+        saved_step = step if options.resume else None
+
+        def diverged(what: str, at_step: int) -> AftgenError:
+            kept = f"the last good checkpoint (step {saved_step}) in {out} is kept" if saved_step is not None else "no checkpoint was written yet"
+            return AftgenError(f"{what} became NaN or inf at step {at_step}; {kept}. Try a lower learning rate (--lr {options.lr / 3:.2g})")
+
         def save(elapsed: float) -> None:
+            nonlocal saved_step
+            if not all(torch.isfinite(p).all() for p in model.parameters()):  # never replace good weights with broken ones
+                raise diverged("the weights", step)
             state_info = info | {"step": step, "elapsed": elapsed}
-            atomic_write(out / TRAINING_INFO, json.dumps(state_info, indent=2) + "\n")
+            # The training state first (it alone is enough to resume), the marker training.json last.
             _save_training_state(out, model, optimizer, generator, state_info)
             save_checkpoint(out, model, tokenizer, model_card(config, state_info, metrics))
+            atomic_write(out / TRAINING_INFO, json.dumps(state_info, indent=2) + "\n")
+            saved_step = step
 
         def progress_of(elapsed: float) -> float:
             by_steps = step / options.max_steps
@@ -395,10 +425,7 @@ def train(options: TrainOptions, quiet: bool = False, on_eval: Callable[[dict], 
                 logits = model(inputs)
                 loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
                 if not torch.isfinite(loss):
-                    raise AftgenError(
-                        f"loss became {float(loss)} at step {step + 1}; the last good checkpoint in {out} is kept. "
-                        f"Try a lower learning rate (--lr {options.lr / 3:.2g})"
-                    )
+                    raise diverged("the loss", step + 1)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if options.grad_clip:
