@@ -1,0 +1,542 @@
+"""Reliability: no work lost (kill -9, signals, NaN, full disk), no traceback for bad input, nothing unsafe loaded."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_corpus
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+import aftgen
+from aftgen.checkpoint import CHECKPOINT_FILES, CONFIG, TOKENIZER, WEIGHTS, load_checkpoint, read_config
+from aftgen.cli import app
+from aftgen.errors import AftgenError
+from aftgen.model import MAX_PARAMETERS, AFTConfig
+from aftgen.training import TRAINING_INFO, TRAINING_STATE, TrainingInterrupted, TrainOptions, train
+
+runner = CliRunner()
+SOURCE = Path(aftgen.__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine run fastest on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def train_tiny(corpus: Path, out: Path, on_eval=None, **changes) -> Path:
+    """In-process training; vocabulary 400 on `corpus` reuses the tokenizer the tiny_run fixture cached."""
+    options = dict(preset="tiny", vocab_size=400, max_steps=8, eval_interval=2, device="cpu") | changes
+    return train(TrainOptions(corpus=corpus, out=out, **options), quiet=True, on_eval=on_eval)
+
+
+def trained_step(out: Path) -> int:
+    return json.loads((out / TRAINING_INFO).read_text())["step"]
+
+
+def temporaries(out: Path) -> list[Path]:
+    return list(out.glob(".*.tmp"))
+
+
+# --- Training never loses work --------------------------------------------------------------------
+
+
+def training_command(corpus: Path, out: Path, *extra: str) -> list[str]:
+    """`aftgen train` checkpointing every 2 steps, with no end in sight unless `extra` sets one."""
+    command = [sys.executable, "-m", "aftgen", "train", str(corpus), "--out", str(out), "--preset", "tiny"]
+    command += ["--vocab-size", "400", "--max-steps", "1000000", "--eval-interval", "2", "--threads", "1", "--device", "cpu"]
+    return [*command, *extra]
+
+
+def spawn_training(corpus: Path, out: Path, *extra: str) -> subprocess.Popen:
+    command = training_command(corpus, out, *extra)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+
+
+def wait_for_checkpoint_after(out: Path, step: int, process: subprocess.Popen) -> int:
+    """Block until the run in `out` has saved a step beyond `step`; return it."""
+    deadline = time.monotonic() + 180  # a safety net against a hung process, not a speed requirement
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"training exited early ({process.returncode}): {process.communicate()[1]}")
+        if (out / TRAINING_INFO).exists() and trained_step(out) > step:
+            return trained_step(out)
+        time.sleep(0.02)
+    process.kill()
+    pytest.fail("no checkpoint appeared")
+
+
+def test_sigkill_at_random_points_loses_nothing(tmp_path, corpus, tiny_run):
+    out, rng, step = tmp_path / "run", random.Random(6), -1
+    for kill in range(3):
+        process = spawn_training(corpus, out, *(["--resume"] if kill else []))
+        step = wait_for_checkpoint_after(out, step, process)  # on a resume: it continued from the last kill
+        time.sleep(rng.uniform(0.0, 0.8))  # lands in a step, an eval or the middle of a save
+        process.kill()
+        process.communicate()
+        model, tokenizer = aftgen.load(out)
+        assert model.config.vocab_size == tokenizer.vocab_size
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        step = trained_step(out)
+    train_tiny(corpus, out, resume=True, max_steps=step + 2)
+    assert trained_step(out) == step + 2
+    assert temporaries(out) == []  # what the kills left half-written was cleaned up
+    aftgen.load(out)
+
+
+def interrupt_at(step: int):
+    """An on_eval callback that sends this process SIGINT (a Ctrl-C) at `step`."""
+
+    def on_eval(row: dict) -> None:
+        if row["step"] == step:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    return on_eval
+
+
+def test_resume_is_exact(tmp_path, corpus, tiny_run):
+    """N steps in one go == k steps, Ctrl-C, --resume for the rest: schedule, data order and dropout all restored."""
+    options = dict(max_steps=10, eval_interval=2, dropout=0.1, warmup_steps=3)
+    train_tiny(corpus, tmp_path / "straight", **options)
+    with pytest.raises(TrainingInterrupted):
+        train_tiny(corpus, tmp_path / "resumed", on_eval=interrupt_at(4), **options)
+    assert trained_step(tmp_path / "resumed") == 4
+    train_tiny(corpus, tmp_path / "resumed", resume=True, **options)
+    straight, resumed = load_file(tmp_path / "straight" / WEIGHTS), load_file(tmp_path / "resumed" / WEIGHTS)
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_resume_with_more_steps_continues_a_finished_run(tmp_path, corpus, tiny_run):
+    out = train_tiny(corpus, tmp_path / "run", max_steps=4)
+    train_tiny(corpus, out, max_steps=8, resume=True)
+    assert trained_step(out) == 8
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [2, 4, 6, 8]
+
+
+@pytest.mark.parametrize("signals", [["SIGINT"], ["SIGTERM"], ["SIGINT", "SIGINT"]])
+def test_signals_save_and_exit_130(tmp_path, corpus, tiny_run, signals):
+    out = tmp_path / "run"
+    process = spawn_training(corpus, out)
+    wait_for_checkpoint_after(out, 0, process)
+    for name in signals:  # a second Ctrl-C soon after the first exits at once, in the middle of whatever
+        process.send_signal(getattr(signal, name))
+        time.sleep(0.05)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    if len(signals) == 1:
+        assert re.search(rf"{signals[0]}: saved step (\d+) to {re.escape(str(out))}; continue with: .* --resume", stderr), stderr
+        step = int(re.search(r"saved step (\d+)", stderr).group(1))
+        assert trained_step(out) == step and stdout.strip() == str(out)
+    else:
+        assert "interrupted" in stderr or "saved step" in stderr
+    aftgen.load(out)
+    train_tiny(corpus, out, resume=True, max_steps=trained_step(out) + 2)
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tmp_path, corpus, tiny_run):
+    """A huge learning rate: the loss goes NaN, the last checkpoint (with finite weights) stays."""
+    out = tmp_path / "run"
+    with pytest.raises(AftgenError, match=r"loss became NaN or inf at step \d+") as caught:
+        train_tiny(corpus, out, lr=1e3, warmup_steps=0, max_steps=40)
+    message = str(caught.value)
+    assert "lower learning rate (--lr " in message
+    kept = int(re.search(r"last good checkpoint \(step (\d+)\)", message).group(1))
+    assert trained_step(out) == kept
+    model, _ = load_checkpoint(out)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_broken_weights_never_overwrite_a_checkpoint(tmp_path, corpus, tiny_run, monkeypatch):
+    """Gradients that turn the weights NaN right before a save: the save is refused, step 2 stays."""
+    clip = torch.nn.utils.clip_grad_norm_
+    calls = {"n": 0}
+
+    def poisoned_clip(parameters, max_norm):
+        parameters = list(parameters)
+        calls["n"] += 1
+        if calls["n"] == 4:  # step 4 is a checkpoint step
+            for p in parameters:
+                p.grad.fill_(float("nan"))
+        return clip(parameters, max_norm)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", poisoned_clip)
+    out = tmp_path / "run"
+    with pytest.raises(AftgenError, match=r"weights became NaN or inf at step 4; the last good checkpoint \(step 2\)"):
+        train_tiny(corpus, out)
+    assert trained_step(out) == 2
+    model, _ = load_checkpoint(out)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, corpus, tiny_run, monkeypatch):
+    out = tmp_path / "run"
+    before: dict[str, bytes] = {}
+    fsync = os.fsync
+
+    def disk_fills_at_step_4(row: dict) -> None:
+        if row["step"] == 4:  # the save of step 2 is complete; the disk is full from now on
+            before.update({name: (out / name).read_bytes() for name in (*CHECKPOINT_FILES, TRAINING_STATE, TRAINING_INFO)})
+
+            def full(fd):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            monkeypatch.setattr(os, "fsync", full)
+
+    with pytest.raises(AftgenError, match="disk full while writing .*; the previous version is intact"):
+        train_tiny(corpus, out, on_eval=disk_fills_at_step_4)
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert temporaries(out) == []
+    load_checkpoint(out)
+    train_tiny(corpus, out, resume=True)  # space freed: carry on from step 2
+    assert trained_step(out) == 8
+
+
+def test_a_folder_holding_another_run_is_not_overwritten(tmp_path, corpus, tiny_run):
+    with pytest.raises(AftgenError, match="already holds a run"):
+        train_tiny(corpus, tiny_run)
+    downloaded = tmp_path / "downloaded"  # a checkpoint without any training files
+    downloaded.mkdir()
+    for name in CHECKPOINT_FILES:
+        shutil.copy(tiny_run / name, downloaded / name)
+    with pytest.raises(AftgenError, match="already holds a run"):
+        train_tiny(corpus, downloaded)
+    with pytest.raises(AftgenError, match="no training state to resume"):
+        train_tiny(corpus, downloaded, resume=True)
+    train_tiny(corpus, downloaded, overwrite=True, max_steps=2)
+    assert trained_step(downloaded) == 2
+
+
+# --- Bad input: exit code 2, one error line, no traceback ------------------------------------------
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_one_error(result, message: str) -> None:
+    """Exit 2, no exception escaped (no traceback), exactly one `error:` line, which says `message`."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and re.search(message, lines[0]), result.stderr
+
+
+def write_bad_corpora(folder: Path) -> None:
+    latin1 = make_corpus(6000, seed=3).replace("e", "\xe9")
+    files = {
+        "empty.txt": b"",
+        "spaces.txt": b"   \n\n\t \r\n",
+        "binary.bin": bytes(range(256)) * 4,
+        "utf16.txt": make_corpus(2000).encode("utf-16"),
+        "latin1.txt": latin1.encode("latin-1"),
+        "small.txt": b"tiny corpus\n",
+        "short.txt": make_corpus(3000, seed=4).encode(),
+    }
+    for name, content in files.items():
+        (folder / name).write_bytes(content)
+    (folder / "folder").mkdir()
+
+
+CORPUS_CASES = [
+    ("missing.txt", [], "no such file"),
+    ("folder", [], "is a directory"),
+    ("empty.txt", [], "empty"),
+    ("spaces.txt", [], "only whitespace"),
+    ("binary.bin", [], "binary"),
+    ("utf16.txt", [], "binary.*--encoding utf-16"),
+    ("latin1.txt", [], r"not valid utf-8 .*--encoding or --errors replace"),
+    ("latin1.txt", ["--encoding", "klingon"], "unknown encoding"),
+    ("small.txt", [], "too small"),
+    ("short.txt", ["--context-length", "8192", "--window", "8"], "too small: .* fewer than one sequence"),
+]
+
+
+@pytest.mark.parametrize("name,extra,message", CORPUS_CASES, ids=[f"{c[0]}{'+' if c[1] else ''}" for c in CORPUS_CASES])
+def test_bad_corpus(tmp_path, name, extra, message):
+    write_bad_corpora(tmp_path)
+    result = invoke("train", tmp_path / name, "--out", tmp_path / "run", "--preset", "tiny", "--max-steps", "2",
+                    "--vocab-size", "300", "--threads", "1", *extra)  # fmt: skip
+    assert_one_error(result, message)
+
+
+OPTION_CASES = [
+    (["--max-steps", "0"], "--max-steps must be positive"),
+    (["--lr", "-1"], "--lr must be positive"),
+    (["--batch-size", "0"], "--batch-size must be positive"),
+    (["--layers", "0"], "--layers must be positive"),
+    (["--width", "-8"], "--width must be positive"),
+    (["--heads", "0"], "--heads must be positive"),
+    (["--context-length", "0"], "--context-length must be positive"),
+    (["--window", "-1"], r"window \(-1\) must be between 0 and context_length"),
+    (["--window", "64"], r"window \(64\) must be between 0 and context_length \(32\)"),
+    (["--width", "30", "--heads", "4"], "must be a multiple of n_head"),
+    (["--dropout", "1.5"], "dropout must be in"),
+    (["--layers", "100000"], "must be at most"),
+    (["--width", "60000", "--layers", "200"], "parameters, more than aftgen's limit"),
+    (["--mixer", "lstm"], "unknown --mixer 'lstm'"),
+    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--max-time", "-5"], "duration must be positive"),
+    (["--max-time", "soon"], "cannot read duration"),
+    (["--errors", "maybe"], "--errors must be strict, replace or ignore"),
+    (["--warmup-steps", "-1"], "--warmup-steps must not be negative"),
+    (["--vocab-size", "10"], "at least 260"),
+    (["--tokenizer-type", "wordpiece"], "unknown tokenizer type"),
+]
+
+
+@pytest.mark.parametrize("extra,message", OPTION_CASES, ids=[" ".join(c[0]) for c in OPTION_CASES])
+def test_bad_training_option(tmp_path, corpus, extra, message):
+    result = invoke("train", corpus, "--out", tmp_path / "run", "--preset", "tiny", "--max-steps", "2", "--threads", "1", *extra)
+    assert_one_error(result, message)
+    assert not (tmp_path / "run" / TRAINING_INFO).exists()
+
+
+def test_unwritable_run_folder_is_refused_before_any_work(tmp_path, corpus):
+    (tmp_path / "file").write_text("not a folder")
+    result = invoke("train", corpus, "--out", tmp_path / "file" / "run", "--preset", "tiny", "--threads", "1")
+    assert_one_error(result, "cannot create folder .*Not a directory")
+
+
+def test_odd_but_valid_text_trains(tmp_path):
+    """A huge single line, mixed line endings and a few stray NUL bytes are just text."""
+    text = make_corpus(20_000, seed=8)
+    odd = text[:8000].replace("\n", " ") + "\r\n".join(text[8000:14000].splitlines()) + "\r" + text[14000:].replace("\n", "\x00", 5)
+    path = tmp_path / "odd.txt"
+    path.write_bytes(odd.encode())
+    result = invoke("train", path, "--out", tmp_path / "run", "--preset", "tiny", "--max-steps", "2", "--vocab-size", "300", "--threads", "1")
+    assert result.exit_code == 0, result.output
+    _, tokenizer = load_checkpoint(tmp_path / "run")
+    assert tokenizer.decode(tokenizer.encode(odd)) == odd
+
+
+@pytest.mark.parametrize("way_out", [["--encoding", "latin-1"], ["--errors", "replace"]])
+def test_non_utf8_corpus_has_a_way_out(tmp_path, way_out):
+    write_bad_corpora(tmp_path)
+    result = invoke("train", tmp_path / "latin1.txt", "--out", tmp_path / "run", "--preset", "tiny", "--max-steps", "2",
+                    "--vocab-size", "300", "--threads", "1", *way_out)  # fmt: skip
+    assert result.exit_code == 0, result.output
+
+
+def _edit_json(name: str, change):
+    def edit(folder: Path) -> None:
+        data = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps(change(data)))
+
+    return edit
+
+
+def _write(name: str, content):
+    def edit(folder: Path) -> None:
+        (folder / name).write_bytes(content(folder / name) if callable(content) else content)
+
+    return edit
+
+
+def _retensor(change):
+    def edit(folder: Path) -> None:
+        save_file(change(load_file(folder / WEIGHTS)), folder / WEIGHTS)
+
+    return edit
+
+
+def _flip_header(path: Path) -> bytes:
+    data = bytearray(path.read_bytes())
+    data[20:40] = b"\xff" * 20
+    return bytes(data)
+
+
+GPT2_CONFIG = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 12, "n_embd": 768, "vocab_size": 50257}
+CHECKPOINT_CASES = {
+    "no weights": (lambda f: (f / WEIGHTS).unlink(), "missing model.safetensors"),
+    "no tokenizer": (lambda f: (f / TOKENIZER).unlink(), "missing tokenizer.model"),
+    "no config": (lambda f: (f / CONFIG).unlink(), "not an aftgen checkpoint"),
+    "truncated weights": (_write(WEIGHTS, lambda p: p.read_bytes()[: p.stat().st_size // 2]), "truncated or corrupt"),
+    "corrupt weights header": (_write(WEIGHTS, _flip_header), "truncated or corrupt"),
+    "empty weights": (_write(WEIGHTS, b""), "truncated or corrupt"),
+    "misshapen tensor": (_retensor(lambda t: t | {"embed.weight": t["embed.weight"][:, :16].contiguous()}), "config.json needs"),
+    "extra tensor": (_retensor(lambda t: t | {"lm_head.weight": t["embed.weight"].clone()}), "unexpected"),
+    "missing tensor": (_retensor(lambda t: {k: v for k, v in t.items() if k != "ln_out.bias"}), "missing"),
+    "fp16 tensor": (_retensor(lambda t: t | {"ln_out.bias": t["ln_out.bias"].half()}), "torch.float16"),
+    "NaN weights": (_retensor(lambda t: t | {"ln_out.bias": t["ln_out.bias"] * float("nan")}), "NaN or inf"),
+    "config not JSON": (_write(CONFIG, b"{not json"), "not valid JSON"),
+    "config not UTF-8": (_write(CONFIG, b"\xff\xfe{}"), "not valid JSON"),
+    "config deeply nested": (_write(CONFIG, b"[" * 100_000), "not valid JSON"),
+    "config 5000-digit number": (_write(CONFIG, b'{"vocab_size": 1' + b"0" * 5000 + b"}"), "not valid JSON"),
+    "config a list": (_write(CONFIG, b"[1, 2]"), "must hold a JSON object"),
+    "config wrong type": (_edit_json(CONFIG, lambda c: c | {"n_layer": "2"}), "'n_layer' must be int"),
+    "config bool for int": (_edit_json(CONFIG, lambda c: c | {"n_head": True}), "'n_head' must be int"),
+    "config unknown key": (_edit_json(CONFIG, lambda c: c | {"rope_theta": 10000}), "unknown keys: rope_theta"),
+    "config from GPT-2": (_write(CONFIG, json.dumps(GPT2_CONFIG).encode()), "model_type is 'gpt2'"),
+    "config newer format": (_edit_json(CONFIG, lambda c: c | {"format_version": 99}), "format_version 99 is not supported"),
+    "config absurd size": (_edit_json(CONFIG, lambda c: c | {"n_embd": 10**12}), "must be at most"),
+    "config vocab mismatch": (_edit_json(CONFIG, lambda c: c | {"vocab_size": c["vocab_size"] + 1}), "tokenizer has"),
+    "tokenizer garbage": (_write(TOKENIZER, b"\x08\x96\x01 definitely not sentencepiece"), "not a valid SentencePiece"),
+    "tokenizer truncated": (_write(TOKENIZER, lambda p: p.read_bytes()[:100]), "not a valid SentencePiece"),
+}
+
+
+@pytest.mark.parametrize("case", CHECKPOINT_CASES)
+def test_bad_checkpoint(tmp_path, tiny_run, case):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_run, folder)
+    edit, message = CHECKPOINT_CASES[case]
+    edit(folder)
+    assert_one_error(invoke("sample", "--model", folder, "--prompt", "KING:", "-n", "4"), message)
+
+
+def test_config_bigger_than_its_weights_is_refused_without_allocating(tmp_path, tiny_run):
+    """200 layers of width 1024 would take 10 GB; the model is built on the meta device, checked, refused."""
+    shutil.copytree(tiny_run, tmp_path / "model")
+    _edit_json(CONFIG, lambda c: c | {"n_layer": 200, "n_embd": 1024, "n_head": 2})(tmp_path / "model")
+    with pytest.raises(AftgenError, match="weights do not match config.json"):
+        load_checkpoint(tmp_path / "model")
+
+
+def test_tokenizer_from_another_model_is_refused(tmp_path, tiny_run):
+    from aftgen.tokenizer import train_tokenizer
+
+    shutil.copytree(tiny_run, tmp_path / "model")
+    other = train_tokenizer(make_corpus(20_000, seed=9), 300, log=lambda _: None)
+    (tmp_path / "model" / TOKENIZER).write_bytes(other.model_proto)
+    assert_one_error(invoke("sample", "--model", tmp_path / "model", "--prompt", "x"), r"tokenizer has \d+ pieces but config.json says vocab_size \d+")
+
+
+def test_internal_error_is_one_line_and_a_log(tmp_path, tiny_run, monkeypatch):
+    import aftgen.sampling
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(aftgen.sampling, "sample_text", broken)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = invoke("sample", "--model", tiny_run, "--prompt", "KING:")
+    assert result.exit_code == 1
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    found = re.fullmatch(r"error: internal error: RuntimeError: boom \(traceback in (\S+); --debug shows it\)", lines[0])
+    assert found, lines[0]
+    log = Path(found.group(1)).read_text()
+    assert "Traceback (most recent call last)" in log and "RuntimeError: boom" in log
+    debug = invoke("--debug", "sample", "--model", tiny_run, "--prompt", "KING:")
+    assert isinstance(debug.exception, RuntimeError) and str(debug.exception) == "boom"  # raised, so Python prints it
+
+
+# --- Loading is safe --------------------------------------------------------------------------------
+
+UNSAFE = [
+    (re.compile(r"^\s*(import|from)\s+(c?pickle|dill|cloudpickle|joblib|marshal)\b", re.M), "a pickle-family import"),
+    (re.compile(r"torch\.load\((?![^)]*weights_only\s*=\s*True)"), "torch.load without weights_only=True"),
+    (re.compile(r"allow_pickle\s*=\s*True"), "numpy allow_pickle=True"),
+    (re.compile(r"trust_remote_code\s*=\s*True"), "trust_remote_code=True"),
+    (re.compile(r"(?<!def )(?<![\w.])(eval|exec)\("), "eval/exec"),
+]
+
+
+def test_no_unsafe_loading_in_the_source():
+    sources = sorted(SOURCE.rglob("*.py"))
+    assert len(sources) > 5
+    found = [f"{path.name}: {what}" for path in sources for pattern, what in UNSAFE if pattern.search(path.read_text())]
+    assert found == []
+
+
+def test_the_unsafe_pattern_scan_can_fail():
+    samples = ["import pickle", "from pickle import loads", "torch.load(path)", "np.load(f, allow_pickle=True)", "exec(code)"]
+    assert all(any(p.search(sample) for p, _ in UNSAFE) for sample in samples)
+    assert not any(p.search("torch.load(path, weights_only=True)") for p, _ in UNSAFE)
+
+
+FIELD_NAMES = [f.name for f in fields(AFTConfig)]
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=10,
+)
+NEAR_VALID = st.fixed_dictionaries(
+    {"vocab_size": st.integers(1, 2**70) | JSON},
+    optional={name: st.integers(-3, 2**70) | st.integers(0, 300) | JSON for name in FIELD_NAMES if name != "vocab_size"},
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON | st.dictionaries(st.sampled_from(FIELD_NAMES) | st.text(max_size=8), JSON, max_size=12) | NEAR_VALID)
+def test_config_validation_on_arbitrary_json(data):
+    try:
+        config = AFTConfig.from_dict(data)
+    except AftgenError:
+        return
+    assert AFTConfig.from_dict(config.to_dict()) == config
+    assert config.approximate_parameters() <= MAX_PARAMETERS
+
+
+@pytest.fixture(scope="module")
+def scratch_checkpoint(tmp_path_factory, tiny_run) -> Path:
+    folder = tmp_path_factory.mktemp("damaged") / "model"
+    shutil.copytree(tiny_run, folder)
+    return folder
+
+
+def damaged(original: bytes) -> st.SearchStrategy[bytes]:
+    """Truncations, a few overwritten bytes (often in the header) and plain random bytes."""
+    where = st.integers(0, len(original) - 1) | st.integers(0, min(len(original) - 1, 400))
+    edits = st.lists(st.tuples(where, st.integers(0, 255)), min_size=1, max_size=8)
+
+    def apply(changes):
+        data = bytearray(original)
+        for index, value in changes:
+            data[index] = value
+        return bytes(data)
+
+    return st.integers(0, len(original) - 1).map(lambda n: original[:n]) | edits.map(apply) | st.binary(max_size=600)
+
+
+@pytest.mark.parametrize("name", [CONFIG, WEIGHTS, TOKENIZER])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_checkpoint_loader_on_damaged_files(scratch_checkpoint, tiny_run, name, data):
+    original = (tiny_run / name).read_bytes()
+    (scratch_checkpoint / name).write_bytes(data.draw(damaged(original)))
+    try:
+        model, tokenizer = load_checkpoint(scratch_checkpoint)
+    except AftgenError:
+        return
+    finally:
+        (scratch_checkpoint / name).write_bytes(original)
+    ids = torch.tensor([[tokenizer.bos_id, *tokenizer.encode("KING: fair")]])
+    assert model(ids).shape == (1, ids.shape[1], model.config.vocab_size)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=300) | st.text(max_size=200).map(str.encode) | JSON.map(lambda v: json.dumps(v).encode()))
+def test_read_config_on_arbitrary_bytes(content):
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / CONFIG).write_bytes(content)
+        try:
+            read_config(folder)
+        except AftgenError:
+            pass
