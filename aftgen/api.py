@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from aftgen.checkpoint import load_checkpoint
+from aftgen.device import pick_device
 from aftgen.errors import AftgenError
 from aftgen.hub import resolve_model
 from aftgen.model import AFTLM
@@ -20,14 +23,17 @@ def default_model_path() -> Path:
     return Path(str(files("aftgen.models") / DEFAULT_MODEL))
 
 
-def load(path: str | Path | None = None) -> tuple[AFTLM, Tokenizer]:
+def load(path: str | Path | None = None, device: str | torch.device = "cpu") -> tuple[AFTLM, Tokenizer]:
     """Load (model, tokenizer) from a checkpoint folder or a Hub id; None means the shipped default model.
 
     A Hub id, OWNER/NAME[@REV], is fetched through the Hugging Face cache (so it works offline once pulled).
+
+    `device`: 'cpu' (the default), 'cuda', 'cuda:1', 'mps', or 'auto' (the best one here).
     """
+    device = pick_device(device)
     if path is None:
         location = default_model_path()
         if not (location / "config.json").exists():
             raise AftgenError("the shipped default model is missing from this install; pass --model PATH")
-        return load_checkpoint(location)
-    return load_checkpoint(resolve_model(path))
+        return load_checkpoint(location, device)
+    return load_checkpoint(resolve_model(path), device)

@@ -115,8 +115,11 @@ def check_checkpoint(directory: Path | str) -> AFTConfig:
     return config
 
 
-def load_checkpoint(directory: Path | str) -> tuple[AFTLM, Tokenizer]:
-    """Load a local checkpoint folder as (model in eval mode, tokenizer)."""
+def load_checkpoint(directory: Path | str, device: str | torch.device = "cpu") -> tuple[AFTLM, Tokenizer]:
+    """Load a local checkpoint folder as (model in eval mode on `device`, tokenizer).
+
+    Weights are stored in fp32 on no particular device, so a model trained anywhere loads anywhere.
+    """
     directory = Path(directory)
     config = check_checkpoint(directory)
     tokenizer = Tokenizer.load(directory / TOKENIZER)
@@ -128,4 +131,4 @@ def load_checkpoint(directory: Path | str) -> tuple[AFTLM, Tokenizer]:
     with torch.device("meta"):
         model = AFTLM(config)
     load_weights(directory / WEIGHTS, model)
-    return model.eval(), tokenizer
+    return model.to(device).eval(), tokenizer

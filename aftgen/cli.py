@@ -30,6 +30,23 @@ app = typer.Typer(
 DEBUG = {"on": False}
 MODEL_PANEL, TRAIN_PANEL, DATA_PANEL, SAMPLE_PANEL = "Model size", "Training", "Data", "Sampling"
 STATE_PANEL = "State files"
+HARDWARE_PANEL = "Hardware"
+
+# Options every command that runs the model shares (aftgen/device.py resolves them).
+DeviceOption = Annotated[
+    str, typer.Option(help="auto (CUDA, then MPS, then CPU) | cpu | cuda | cuda:N | mps.", rich_help_panel=HARDWARE_PANEL)
+]
+DtypeOption = Annotated[
+    str,
+    typer.Option(
+        help="auto | fp32 | bf16 | fp16: mixed-precision autocast (weights stay fp32). auto: bf16 on GPUs that have it, else fp32.",
+        rich_help_panel=HARDWARE_PANEL,
+    ),
+]
+ThreadsOption = Annotated[
+    int | None,
+    typer.Option(help="CPU threads (default: the physical cores, shared among torchrun's processes).", rich_help_panel=HARDWARE_PANEL),
+]
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -72,10 +89,19 @@ def main(
     DEBUG["on"] = debug
 
 
-def _threads() -> None:
-    import torch
+def _threads(threads: int | None = None) -> None:
+    """Set torch's CPU threads; called before any torch work, since torch fixes them on first use."""
+    from aftgen.device import set_threads
 
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    set_threads(threads)
+
+
+def _placement(device: str, dtype: str, threads: int | None):
+    """Threads first, then the device and dtype: one call for every command that runs a model."""
+    from aftgen.device import resolve
+
+    _threads(threads)
+    return resolve(device, dtype)
 
 
 @app.command()
@@ -117,8 +143,17 @@ def train(
     encoding: Annotated[str, typer.Option(help="Text encoding of the corpus.", rich_help_panel=DATA_PANEL)] = "utf-8",
     errors: Annotated[str, typer.Option(help="strict | replace | ignore undecodable bytes.", rich_help_panel=DATA_PANEL)] = "strict",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    compile_model: Annotated[
+        bool, typer.Option("--compile/--no-compile", help="torch.compile the training model (falls back to eager).", rich_help_panel=HARDWARE_PANEL)
+    ] = False,
+    threads: ThreadsOption = None,
 ) -> None:
-    """Train a tokenizer and a model on a text file; prints the run folder on stdout."""
+    """Train a tokenizer and a model on a text file; prints the run folder on stdout.
+
+    The same command under `torchrun --nproc_per_node N -m aftgen train ...` trains on N processes.
+    """
     from aftgen.training import TrainingInterrupted, TrainOptions, parse_duration
     from aftgen.training import train as run_training
 
@@ -128,16 +163,20 @@ def train(
         weight_decay=weight_decay, warmup_steps=warmup_steps, grad_clip=grad_clip, max_steps=max_steps,
         max_time=parse_duration(max_time) if max_time else None, eval_interval=eval_interval, seed=seed,
         vocab_size=vocab_size, tokenizer_type=tokenizer_type, encoding=encoding, errors=errors,
-        resume=resume, overwrite=overwrite, command=shlex.join(["aftgen", *sys.argv[1:]]),
+        resume=resume, overwrite=overwrite, device=device, dtype=dtype, compile=compile_model,
+        command=shlex.join(["aftgen", *sys.argv[1:]]),
     )  # fmt: skip
     options.check()
-    _threads()
+    _threads(threads)
+    main_process = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 prints the run folder
     try:
         run = run_training(options, quiet=quiet)
     except TrainingInterrupted as stop:
-        print(stop.out)
+        if main_process:
+            print(stop.out)
         raise typer.Exit(130) from None
-    print(run)
+    if main_process:
+        print(run)
 
 
 # Options shared by `sample` and `chat` (llama.cpp / transformers names and meanings).
@@ -170,13 +209,13 @@ def _require_file(path: Path | None, what: str) -> None:
         raise AftgenError(f"{path}: no such {what}")
 
 
-def _load_for_generation(model: str | None, load_state: Path | None, compile_step: bool):
+def _load_for_generation(model: str | None, load_state: Path | None, compile_step: bool, placement):
     """(model, tokenizer, context or None, step function), telling stderr about the compile."""
     from aftgen.api import load
     from aftgen.model import compile_step as compiled
     from aftgen.state import load_state as read_state
 
-    lm, tokenizer = load(model)
+    lm, tokenizer = load(model, placement.device)
     context = read_state(load_state, lm, tokenizer) if load_state else None
     step = lm.step
     if compile_step:
@@ -205,6 +244,9 @@ def sample(
     save_state: SaveState = None,
     compile_step: Compile = False,
     echo: Annotated[bool, typer.Option(help="Print the prompt before the continuation.")] = True,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
 ) -> None:
     """Continue a prompt, streaming text to stdout as it is made."""
     from aftgen.sampling import read_prompt, sample_text
@@ -225,12 +267,13 @@ def sample(
         prompt = read_text(prompt_file)
     elif prompt == "-":
         prompt = sys.stdin.read()
-    _threads()
-    lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step)
-    context = read_prompt(lm, tokenizer, prompt, context, options.seed)
-    # A run that will be continued keeps an unfinished last character for the next one.
-    runs = sample_text(lm, tokenizer, context, options, num_samples, step, final=save_state is None)
-    _write_samples(runs, prompt if echo else "", save_state is None)
+    placement = _placement(device, dtype, threads)
+    lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step, placement)
+    with placement.autocast():
+        context = read_prompt(lm, tokenizer, prompt, context, options.seed)
+        # A run that will be continued keeps an unfinished last character for the next one.
+        runs = sample_text(lm, tokenizer, context, options, num_samples, step, final=save_state is None)
+        _write_samples(runs, prompt if echo else "", save_state is None)
     if save_state is not None:
         write_state(save_state, context, lm, tokenizer)
         print(f"state saved to {save_state}", file=sys.stderr)
@@ -259,6 +302,9 @@ def prime(
     seed: Seed = None,
     encoding: Annotated[str, typer.Option()] = "utf-8",
     errors: Annotated[str, typer.Option()] = "strict",
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
 ) -> None:
     """Read a text once into a state file that `sample`/`chat --load-state` start from."""
     import time
@@ -268,10 +314,11 @@ def prime(
     from aftgen.state import save_state as write_state
 
     text = read_text(text_file, encoding, errors)
-    _threads()
-    lm, tokenizer, _, _ = _load_for_generation(model, None, False)
+    placement = _placement(device, dtype, threads)
+    lm, tokenizer, _, _ = _load_for_generation(model, None, False, placement)
     start = time.perf_counter()
-    context = read_prompt(lm, tokenizer, text, None, seed)
+    with placement.autocast():
+        context = read_prompt(lm, tokenizer, text, None, seed)
     elapsed = time.perf_counter() - start
     write_state(out, context, lm, tokenizer)
     tokens = int(context.state[0]["position"])
@@ -295,6 +342,9 @@ def chat(
     load_state: LoadState = None,
     save_state: SaveState = None,
     compile_step: Compile = False,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
 ) -> None:
     """Talk to a model: each line you type is read into the running state and the model answers.
 
@@ -308,9 +358,10 @@ def chat(
         repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed, stop=stop or ["\n\n"],
     )  # fmt: skip
     _require_file(load_state, "state file")
-    _threads()
-    lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step)
-    context = run_chat(lm, tokenizer, options, context, step)
+    placement = _placement(device, dtype, threads)
+    lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step, placement)
+    with placement.autocast():
+        context = run_chat(lm, tokenizer, options, context, step)
     if save_state is not None and context is not None:
         write_state(save_state, context, lm, tokenizer)
         print(f"state saved to {save_state}", file=sys.stderr)
@@ -325,6 +376,9 @@ def evaluate(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
     encoding: Annotated[str, typer.Option()] = "utf-8",
     errors: Annotated[str, typer.Option()] = "strict",
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
 ) -> None:
     """Held-out loss of a model on a file: nats/token, nats/char, bits/char, bits/byte."""
     from aftgen.api import load
@@ -334,9 +388,10 @@ def evaluate(
     if reset_every < 0:
         raise AftgenError(f"--reset-every must be >= 0, got {reset_every}")
     text = read_text(file, encoding, errors)
-    _threads()
-    lm, tokenizer = load(model)
-    result = evaluate_text(lm, tokenizer, text, reset_every=reset_every)
+    placement = _placement(device, dtype, threads)
+    lm, tokenizer = load(model, placement.device)
+    with placement.autocast():
+        result = evaluate_text(lm, tokenizer, text, reset_every=reset_every)
     if as_json:
         print(json.dumps(result.to_dict()))
     else:

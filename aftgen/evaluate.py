@@ -44,7 +44,8 @@ def stream_nll(model: AFTLM, ids: torch.Tensor, chunk: int = 1024, reset_every: 
         for start in range(window_start, window_stop, chunk):
             stop = min(start + chunk, window_stop)
             logits, state = model.prefill(ids[None, start:stop], state)
-            losses.append(F.cross_entropy(logits[0].float(), ids[start + 1 : stop + 1], reduction="none"))
+            targets = ids[start + 1 : stop + 1].to(logits.device)
+            losses.append(F.cross_entropy(logits[0].float(), targets, reduction="none").cpu())
     return torch.cat(losses)
 
 

@@ -177,7 +177,7 @@ class AFTLM(nn.Module):
 
     def prefill(self, ids: torch.Tensor, state: ModelState | None = None) -> tuple[torch.Tensor, ModelState]:
         """Read ids (B, T) in the parallel form, continuing from `state`; return logits and the new state."""
-        x = self.embed(ids)
+        x = self.embed(ids.to(self.embed.weight.device))  # ids may come from the CPU
         states = state or [None] * len(self.blocks)
         new_states = []
         for block, layer_state in zip(self.blocks, states, strict=True):
@@ -187,7 +187,7 @@ class AFTLM(nn.Module):
 
     def step(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         """Feed one token per sequence, ids (B,); return logits (B, vocab). Updates `state` in place."""
-        x = self.embed(ids)
+        x = self.embed(ids.to(self.embed.weight.device))
         for block, layer_state in zip(self.blocks, state, strict=True):
             x = block.step(x, layer_state)
         return self._logits(x), state

@@ -17,8 +17,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from aftgen import data
+from aftgen import data, distributed
 from aftgen.checkpoint import is_checkpoint, save_checkpoint
+from aftgen.device import DEVICES, DTYPES, Placement, compiled, resolve
+from aftgen.distributed import World
 from aftgen.errors import AftgenError
 from aftgen.evaluate import evaluate_text
 from aftgen.files import atomic_write, prepare_folder
@@ -31,7 +33,8 @@ TRAINING_STATE, TRAINING_INFO, METRICS = "training_state.safetensors", "training
 PRESETS: dict[str, dict] = {
     "tiny": dict(n_layer=2, n_embd=32, n_head=2, window=8, context_length=32, batch_size=8),
     "small": dict(n_layer=4, n_embd=192, n_head=6, window=32, context_length=128, batch_size=16),
-    "medium": dict(n_layer=6, n_embd=384, n_head=6, window=32, context_length=256, batch_size=16, dropout=0.2),
+    # The shipped default model: under 16 MB of fp32 weights, about an hour on 2 CPU cores.
+    "medium": dict(n_layer=6, n_embd=224, n_head=7, window=32, context_length=256, batch_size=16, dropout=0.2),
 }
 MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "window", "context_length", "dropout", "decay", "mixer")
 
@@ -68,6 +71,9 @@ class TrainOptions:
     errors: str = "strict"
     resume: bool = False
     overwrite: bool = False
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: bool = False
     command: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -91,6 +97,10 @@ class TrainOptions:
         for name in ("warmup_steps", "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise AftgenError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
+        if self.device.split(":")[0] not in DEVICES:
+            raise AftgenError(f"unknown --device '{self.device}'; choose one of: {', '.join(DEVICES)}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise AftgenError(f"unknown --dtype '{self.dtype}'; choose one of: auto, {', '.join(DTYPES)}")
         if self.errors not in ("strict", "replace", "ignore"):
             raise AftgenError(f"--errors must be strict, replace or ignore, got '{self.errors}'")
         settings = self.resolved()
@@ -207,6 +217,7 @@ def _held_out_loss(model: AFTLM, ids: torch.Tensor, length: int, windows: int) -
     count = max(1, min(windows, (len(ids) - 1) // length))
     stride = max(1, (len(ids) - length - 1) // count)
     rows = torch.stack([ids[i * stride : i * stride + length + 1] for i in range(count)]).long()
+    rows = rows.to(model.embed.weight.device)
     was_training = model.training
     model.eval()
     with torch.inference_mode():
@@ -330,8 +341,27 @@ def run_card(out: Path, config: AFTConfig, sample: str = "") -> str:
 
 
 def train(options: TrainOptions, quiet: bool = False, on_eval: Callable[[dict], None] | None = None) -> Path:
-    """Train a tokenizer and a model on options.corpus; returns the run folder."""
+    """Train a tokenizer and a model on options.corpus; returns the run folder.
+
+    Started by torchrun, each process runs this and they train one model together (see distributed.py).
+    """
     options.check()
+    placement = resolve(options.device, options.dtype, distributed.local_rank())
+    with distributed.join(placement.device) as world:
+        try:
+            return _train(options, placement, world, quiet, on_eval)
+        except Exception as exc:
+            if world.distributed and distributed.lost_peer(exc):
+                raise AftgenError(
+                    f"process {world.rank}: lost contact with the other training processes ({type(exc).__name__}); "
+                    "the last checkpoint is kept: fix the failed process and run again with --resume"
+                ) from None
+            raise
+
+
+def _train(
+    options: TrainOptions, placement: Placement, world: World, quiet: bool, on_eval: Callable[[dict], None] | None
+) -> Path:
     corpus = Path(options.corpus)
     out = Path(options.out) if options.out else Path("runs") / corpus.stem
     settings = options.resolved()
@@ -343,17 +373,27 @@ def train(options: TrainOptions, quiet: bool = False, on_eval: Callable[[dict], 
     if options.resume:
         saved, _ = _read_training_info(out)
         settings = saved["settings"]
-    prepare_folder(out)
+    if world.main:
+        prepare_folder(out)
 
     text = data.read_text(corpus, options.encoding, options.errors)
     train_text, held_out_text = data.split_text(text)
-    with Reporter(quiet) as reporter:
+    with Reporter(quiet or not world.main) as reporter:
         if options.resume:
             tokenizer = Tokenizer.load(out / "tokenizer.model")
-        else:
-            tokenizer = data.cached_tokenizer(train_text, options.vocab_size, options.tokenizer_type, log=reporter.log)
+        else:  # trained once, by rank 0, and sent to the others
+            proto = None
+            if world.main:
+                proto = data.cached_tokenizer(train_text, options.vocab_size, options.tokenizer_type, log=reporter.log).model_proto
+            tokenizer = Tokenizer(world.share_bytes(proto))
+        # One process per machine tokenizes the corpus into the cache; the others wait, then read it.
+        first_on_machine = distributed.local_rank() == 0
+        if not first_on_machine:
+            world.barrier()
         train_ids = data.cached_ids(train_text, tokenizer)
         held_out_ids = data.cached_ids(held_out_text, tokenizer)
+        if first_on_machine:
+            world.barrier()
         length = settings["context_length"]
         if len(train_ids) < length + 2 or len(held_out_ids) < 2:
             raise AftgenError(
@@ -364,7 +404,7 @@ def train(options: TrainOptions, quiet: bool = False, on_eval: Callable[[dict], 
 
         torch.manual_seed(options.seed)
         config = AFTConfig(vocab_size=tokenizer.vocab_size, **{k: settings[k] for k in MODEL_FIELDS})
-        model = AFTLM(config)
+        model = AFTLM(config).to(placement.device)
         optimizer = make_optimizer(model, options)
         generator = torch.Generator().manual_seed(options.seed)
         step, elapsed_before = 0, 0.0
@@ -373,6 +413,10 @@ def train(options: TrainOptions, quiet: bool = False, on_eval: Callable[[dict], 
             info = _load_training_state(out, model, optimizer, generator)
             step, elapsed_before = info["step"], info["elapsed"]
             reporter.log(f"resuming {out} at step {step}")
+            if saved.get("world_size", 1) != world.size:
+                reporter.log(f"note: trained so far by {saved.get('world_size', 1)} processes, now {world.size}: the global batch changes")
+        if world.rank:  # own dropout masks per process (the model's initialisation above is the same everywhere)
+            torch.manual_seed(options.seed + 1_000_003 * world.rank + step)
         info = {
             "name": out.name,
             "command": options.command,
@@ -382,10 +426,15 @@ def train(options: TrainOptions, quiet: bool = False, on_eval: Callable[[dict], 
             | {"out": str(out)},
             "parameters": model.num_parameters(),
             "tokenizer_type": options.tokenizer_type,
+            "device": placement.describe(),
+            "world_size": world.size,
+            "global_batch_size": settings["batch_size"] * world.size,
         }
         reporter.log(
             f"{model.num_parameters():,} parameters, vocabulary {tokenizer.vocab_size}, "
-            f"{len(train_ids):,} training tokens, {len(held_out_ids):,} held-out tokens -> {out}"
+            f"{len(train_ids):,} training tokens, {len(held_out_ids):,} held-out tokens, on {placement.describe()}"
+            + (f" x {world.size} processes (global batch {info['global_batch_size']})" if world.distributed else "")
+            + f" -> {out}"
         )
         chars_per_token = len(held_out_text) / max(1, len(held_out_ids) - 1)
         batch_size = settings["batch_size"]
@@ -398,6 +447,8 @@ def train(options: TrainOptions, quiet: bool = False, on_eval: Callable[[dict], 
 
         def save(elapsed: float) -> None:
             nonlocal saved_step
+            if not world.main:
+                return
             if not all(torch.isfinite(p).all() for p in model.parameters()):  # never replace good weights with broken ones
                 raise diverged("the weights", step)
             state_info = info | {"step": step, "elapsed": elapsed}
@@ -411,67 +462,87 @@ def train(options: TrainOptions, quiet: bool = False, on_eval: Callable[[dict], 
             by_steps = step / options.max_steps
             return max(by_steps, elapsed / options.max_time) if options.max_time else by_steps
 
+        trainer = world.wrap(model)
+        if options.compile:
+            trainer = compiled(trainer, reporter.log)
+        # fp16 needs loss scaling so small gradients do not flush to zero; bf16 and fp32 do not.
+        scaler = torch.amp.GradScaler(placement.device.type, enabled=placement.dtype == torch.float16)
         model.train()
         start = time.monotonic()
         tokens_seen, window_start, loss_sum, loss_count = 0, start, 0.0, 0
         stopped_by = None
         with _Interrupts() as interrupts:
-            while progress_of(elapsed_before + time.monotonic() - start) < 1.0:
-                elapsed = elapsed_before + time.monotonic() - start
+            while True:
+                # All processes must decide alike: rank 0's clock and a signal to any of them count for all.
+                clock = elapsed_before + time.monotonic() - start
+                elapsed, stop_votes = world.sum([clock if world.main else 0.0, float(interrupts.requested is not None)])
+                if stop_votes:
+                    stopped_by = interrupts.requested or "stop requested on another process"
+                    break
+                if progress_of(elapsed) >= 1.0:
+                    break
                 lr = learning_rate(options, step, progress_of(elapsed))
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                inputs, targets = data.batch(train_ids, batch_size, length, generator)
-                logits = model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                inputs, targets = data.batch(train_ids, batch_size, length, generator, world.rank, world.size)
+                inputs, targets = inputs.to(placement.device), targets.to(placement.device)
+                with placement.autocast():
+                    logits = trainer(inputs)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
                 if not torch.isfinite(loss):
                     raise diverged("the loss", step + 1)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                scaler.scale(loss).backward()  # DDP averages the gradients over the processes here
                 if options.grad_clip:
+                    scaler.unscale_(optimizer)
                     torch.nn.utils.clip_grad_norm_(model.parameters(), options.grad_clip)
-                optimizer.step()
+                scaler.step(optimizer)
+                scaler.update()
                 step += 1
-                tokens_seen += inputs.numel()
+                tokens_seen += inputs.numel() * world.size
                 loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
 
                 now = time.monotonic()
                 tokens_per_s = tokens_seen / max(now - window_start, 1e-9)
                 reporter.update(step, progress_of(elapsed), f"loss {loss_sum / loss_count:.3f}  {tokens_per_s:,.0f} tok/s")
                 if step % options.eval_interval == 0:
-                    held_out = _held_out_loss(model, held_out_ids, eval_length, options.eval_windows)
-                    row = {
-                        "step": step,
-                        "elapsed": round(elapsed_before + now - start, 2),
-                        "train_loss": loss_sum / loss_count,
-                        "held_out_nats_per_char": held_out / chars_per_token,
-                        "held_out_bits_per_char": held_out / chars_per_token / math.log(2),
-                        "tokens_per_s": round(tokens_per_s, 1),
-                        "lr": lr,
-                    }
-                    metrics.append(row)
-                    _write_metrics(out, metrics)
-                    reporter.log(
-                        f"step {step}: train loss {row['train_loss']:.4f}, held-out "
-                        f"{row['held_out_nats_per_char']:.4f} nats/char ({row['held_out_bits_per_char']:.4f} bits/char), "
-                        f"{tokens_per_s:,.0f} tok/s"
-                    )
-                    if on_eval:
-                        on_eval(row)
-                    save(elapsed_before + now - start)
+                    train_loss = world.sum([loss_sum / loss_count])[0] / world.size  # over the global batch
+                    if world.main:
+                        held_out = _held_out_loss(model, held_out_ids, eval_length, options.eval_windows)
+                        row = {
+                            "step": step,
+                            "elapsed": round(elapsed_before + now - start, 2),
+                            "train_loss": train_loss,
+                            "held_out_nats_per_char": held_out / chars_per_token,
+                            "held_out_bits_per_char": held_out / chars_per_token / math.log(2),
+                            "tokens_per_s": round(tokens_per_s, 1),
+                            "lr": lr,
+                        }
+                        metrics.append(row)
+                        _write_metrics(out, metrics)
+                        reporter.log(
+                            f"step {step}: train loss {row['train_loss']:.4f}, held-out "
+                            f"{row['held_out_nats_per_char']:.4f} nats/char ({row['held_out_bits_per_char']:.4f} bits/char), "
+                            f"{tokens_per_s:,.0f} tok/s"
+                        )
+                        if on_eval:
+                            on_eval(row)
+                        save(elapsed_before + now - start)
                     loss_sum, loss_count = 0.0, 0
                     tokens_seen, window_start = 0, time.monotonic()
-                if interrupts.requested:
-                    stopped_by = interrupts.requested
-                    break
             elapsed = elapsed_before + time.monotonic() - start
             save(elapsed)
         if stopped_by:
             reporter.log(f"{stopped_by}: saved step {step} to {out}; continue with: aftgen train {corpus} --out {out} --resume")
             raise TrainingInterrupted(out)
+        if not world.main:
+            return out
         model.eval()
-        final = evaluate_text(model, tokenizer, held_out_text)
-        info["final_eval"] = final.to_dict()
+        # Attention's KV cache grows with the stream (quadratic time to read it) and its RoPE positions
+        # are untrained past the training length, so attention runs are scored in windows of that length.
+        reset_every = config.context_length if config.mixer == "attention" else 0
+        final = evaluate_text(model, tokenizer, held_out_text, reset_every=reset_every)
+        info["final_eval"] = final.to_dict() | {"reset_every": reset_every}
         save(elapsed)
         reporter.log(
             f"done: {step} steps in {elapsed:.0f} s; held-out {final.nats_per_char:.4f} nats/char "

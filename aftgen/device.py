@@ -1,0 +1,138 @@
+"""Where the math runs: device, mixed-precision dtype, CPU threads and torch.compile, for every command.
+
+`--device auto` picks CUDA, then Apple's MPS, then the CPU. `--dtype auto` picks bf16 autocast on
+GPUs that have it (fp16 on older CUDA GPUs) and fp32 elsewhere: CPU autocast is often slower than
+fp32 on CPUs without bf16 matrix units. Weights always stay fp32; autocast only lowers the precision
+of matmuls, and the AFT mixer switches it off for its exp/sum accumulations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from aftgen.errors import AftgenError
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A device and the dtype autocast computes in there (float32: no autocast)."""
+
+    device: torch.device
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def mixed(self) -> bool:
+        return self.dtype != torch.float32
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision for the forward pass (a no-op in fp32)."""
+        if not self.mixed:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def describe(self) -> str:
+        return f"{self.device} {next(k for k, v in DTYPES.items() if v == self.dtype)}"
+
+
+def _mps_available() -> bool:
+    return hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+
+
+def pick_device(name: str | torch.device = "auto", local_rank: int = 0) -> torch.device:
+    """'auto' -> cuda, then mps, then cpu; 'cuda' in a multi-process run means this process's GPU."""
+    if isinstance(name, torch.device):
+        return name
+    kind = name.split(":")[0]
+    if kind not in DEVICES:
+        raise AftgenError(f"unknown --device '{name}'; choose one of: {', '.join(DEVICES)}")
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "mps" if _mps_available() else "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise AftgenError(f"--device cuda: no CUDA GPU is available to this torch ({torch.__version__})")
+        return torch.device(name if ":" in name else f"cuda:{local_rank % torch.cuda.device_count()}")
+    if kind == "mps" and not _mps_available():
+        raise AftgenError("--device mps: Apple's MPS backend is not available here")
+    return torch.device(kind)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The autocast dtype for `name` on `device`, refusing what the device cannot do."""
+    if name == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if name not in DTYPES:
+        raise AftgenError(f"unknown --dtype '{name}'; choose one of: auto, {', '.join(DTYPES)}")
+    dtype = DTYPES[name]
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise AftgenError(f"--dtype bf16: {torch.cuda.get_device_name(device)} has no bf16; use --dtype fp16")
+    return dtype
+
+
+def resolve(device: str | torch.device = "auto", dtype: str = "auto", local_rank: int = 0) -> Placement:
+    """The one place every command turns --device / --dtype into a Placement."""
+    where = pick_device(device, local_rank)
+    placement = Placement(where, pick_dtype(dtype, where))
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores; accumulation stays fp32
+        torch.backends.cudnn.allow_tf32 = True
+    return placement
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyperthread siblings counted once)."""
+    if not hasattr(os, "sched_getaffinity"):  # macOS (no hyperthreads on Apple silicon), Windows
+        return max(1, os.cpu_count() or 1)
+    cores = set()
+    for cpu in os.sched_getaffinity(0):
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        cores.add(siblings.read_text().strip() if siblings.exists() else str(cpu))
+    return max(1, len(cores))
+
+
+def set_threads(threads: int | None = None) -> int:
+    """Set torch's CPU threads: `threads`, or the physical cores shared among this machine's processes."""
+    if threads is not None and threads < 1:
+        raise AftgenError(f"--threads must be >= 1, got {threads}")
+    if threads is None:
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun: N processes share the cores
+        threads = max(1, physical_cores() // max(1, processes))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def compiled(module: torch.nn.Module, warn: Callable[[str], None]) -> Callable[..., torch.Tensor]:
+    """torch.compile(module), or the module itself (after one warning) if compiling it fails.
+
+    torch.compile is lazy, so failures surface on the first call; that call is then redone eagerly.
+    """
+    try:
+        fast = torch.compile(module)
+    except Exception as exc:  # e.g. a platform torch.compile does not support
+        warn(f"warning: --compile unavailable ({type(exc).__name__}: {exc}); running eagerly")
+        return module
+    current = {"call": fast}
+
+    def call(*args, **kwargs):
+        try:
+            return current["call"](*args, **kwargs)
+        except Exception as exc:  # no C compiler, an unsupported op, ...: eager always works
+            if current["call"] is module:
+                raise
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            warn(f"warning: --compile failed ({type(exc).__name__}: {first_line[:200]}); running eagerly")
+            current["call"] = module
+            return module(*args, **kwargs)
+
+    return call
