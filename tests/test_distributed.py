@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from aftgen import data
 from aftgen.api import load
 from aftgen.checkpoint import load_checkpoint, save_checkpoint
-from aftgen.device import Placement, resolve
+from aftgen.device import Placement, compiled, resolve
 from aftgen.errors import AftgenError
 from aftgen.mixer import AFTLocalMixer
 from aftgen.training import TrainOptions, train
@@ -133,3 +133,19 @@ def test_missing_device_is_a_clear_error(tiny_run):
     with pytest.raises(AftgenError, match="unknown --dtype"):
         resolve("cpu", "fp8")
 
+
+
+def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
+    def broken_compile(module):
+        def call(*args, **kwargs):
+            raise RuntimeError("no C++ compiler found\n(long details)")
+
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    warnings: list[str] = []
+    layer = torch.nn.Linear(2, 2)
+    run = compiled(layer, warnings.append)
+    x = torch.ones(1, 2)
+    assert torch.equal(run(x), layer(x)) and torch.equal(run(x), layer(x))
+    assert len(warnings) == 1 and "no C++ compiler found" in warnings[0] and "\n" not in warnings[0]
