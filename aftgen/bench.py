@@ -186,3 +186,282 @@ def print_rows(rows: list[Row], as_json: bool) -> None:
         label = item["measure"] + (f" [{where}]" if where else "")
         print(f"{label:<62} {item['value']:>12,.4g} {item['unit']:<9}{verdict}{note}")
     sys.stdout.flush()
+
+
+# The paper's comparison, reproduced side by side: every token mixer at the same width and depth,
+# timed in the same run, reported as ratios against attention (machine noise cancels in a ratio).
+
+BASELINE = "attention"
+TRAIN_LENGTHS = (256, 1024, 4096)
+TOKENS_PER_STEP = 4096  # batch = TOKENS_PER_STEP // length, so every length does the same work per step
+DECODE_CONTEXTS = (1_000, 8_000, 32_000)
+POSITION_BINS = ((0, 1_000), (1_000, 8_000), (8_000, None))
+
+
+def comparison_model(mixer: str, context_length: int, preset: str = "small", vocab_size: int = 1024) -> AFTLM:
+    """A preset's width and depth with the given mixer and training length, randomly initialised."""
+    from aftgen.training import PRESETS
+
+    sizes = {name: value for name, value in PRESETS[preset].items() if name != "batch_size"}
+    return AFTLM(AFTConfig(vocab_size=vocab_size, **sizes | {"context_length": context_length, "mixer": mixer}))
+
+
+def probe(kind: str, mixer: str, length: int, repeats: int, threads: int) -> dict:
+    """Time `kind` ("train": a full step, forward + backward + AdamW; "mixer": the token mixer alone,
+    forward + backward) and its peak memory. Run in a fresh interpreter per configuration: peak RSS
+    (VmHWM) only goes up, so only a fresh process tells one configuration's peak from another's."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    batch = max(1, TOKENS_PER_STEP // length)
+    model = comparison_model(mixer, length).train()
+    if kind == "train":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, model.config.vocab_size, (batch, length + 1))
+
+        def run() -> None:
+            loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    else:
+        mixer_module = model.blocks[0].mixer
+        x = torch.randn(batch, length, model.config.n_embd, requires_grad=True)
+        grad = torch.randn_like(x)
+
+        def run() -> None:
+            y, _ = mixer_module(x)
+            y.backward(grad)
+
+    resting, _ = memory_mb()
+    run()  # warm-up: first-call allocations and the optimiser's moments
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    best = min(times)  # the least disturbed run: other processes only ever add time
+    return {"seconds": best, "tokens_per_s": batch * length / best, "peak_mb": memory_mb()[1] - resting, "batch": batch}
+
+
+def _probe_in_subprocess(kind: str, mixer: str, length: int, repeats: int) -> dict:
+    import subprocess
+
+    code = "import json, sys; from aftgen.bench import probe; print(json.dumps(probe(*json.loads(sys.argv[1]))))"
+    args = json.dumps([kind, mixer, length, repeats, torch.get_num_threads()])
+    done = subprocess.run([sys.executable, "-c", code, args], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"benchmark probe {kind} {mixer} T={length} failed: {done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _with_ratios(rows: list[Row]) -> list[Row]:
+    """Add each row's ratio against the baseline mixer's row of the same measure and length."""
+    base = {(r["measure"], r.get("length"), r.get("context")): r["value"] for r in rows if r["mixer"] == BASELINE}
+    for r in rows:
+        reference = base.get((r["measure"], r.get("length"), r.get("context")))
+        if reference:
+            r["vs_attention"] = round(r["value"] / reference, 3)
+    return rows
+
+
+def bench_train(mixers: tuple[str, ...], repeats: int = 3, log=print) -> list[Row]:
+    """Training-step tokens/s and peak memory, and the mixer alone, per mixer and length."""
+    rows: list[Row] = []
+    for length in TRAIN_LENGTHS:
+        for mixer in mixers:
+            for kind in ("train", "mixer"):
+                got = _probe_in_subprocess(kind, mixer, length, repeats)
+                where = {"mixer": mixer, "length": length, "batch": got["batch"]}
+                if kind == "train":
+                    rows.append({"measure": "train step", "value": round(got["tokens_per_s"], 1), "unit": "tokens/s", **where})
+                    rows.append({"measure": "train peak memory", "value": round(got["peak_mb"], 1), "unit": "MB", **where})
+                else:
+                    rows.append({"measure": "mixer fwd+bwd", "value": round(got["seconds"] * 1e3, 2), "unit": "ms", **where})
+                    rows.append({"measure": "mixer peak memory", "value": round(got["peak_mb"], 1), "unit": "MB", **where})
+            log(f"  T={length} {mixer}: " + ", ".join(f"{r['measure']} {r['value']:,.1f} {r['unit']}" for r in rows[-4:]))
+    return _with_ratios(rows)
+
+
+def _filled_attention_cache(model: AFTLM, context: int) -> list:
+    """A KV cache already holding `context` tokens (random keys and values: a step's cost depends on
+    how many there are, not what they are, and reading 32k tokens through attention takes minutes)."""
+    state = model.initial_state(1)
+    for layer in state:
+        shape = (1, model.blocks[0].mixer.n_head, context + TIMED_STEPS, model.blocks[0].mixer.head_dim)
+        layer["keys"], layer["values"] = torch.randn(shape), torch.randn(shape)
+        layer["position"].fill_(context)
+    return state
+
+
+def bench_decode(repeats: int = 100, log=print) -> list[Row]:
+    """Per-token latency at batch 1 after 1k, 8k, 32k tokens, and the state's size: aft_local's
+    recurrent state against attention's KV cache (both eager, same width and depth)."""
+    rows: list[Row] = []
+    ids = torch.randint(0, 1024, (1, PROMPT_CHUNK), generator=torch.Generator().manual_seed(0))
+    for mixer in ("aft_local", BASELINE):
+        torch.manual_seed(0)
+        model = comparison_model(mixer, 128).eval()
+        state, position = model.initial_state(1), 0
+        for context in DECODE_CONTEXTS:
+            if mixer == BASELINE:
+                state = _filled_attention_cache(model, context)
+            else:
+                with torch.inference_mode():
+                    while position < context:  # the real thing: read random tokens in the parallel form
+                        chunk = ids[:, : min(PROMPT_CHUNK, context - position)]
+                        _, state = model.prefill(chunk, state)
+                        position += chunk.shape[1]
+            latency = step_ms(model.step, model, state, repeats)
+            size = sum(t.numel() * t.element_size() for layer in state for t in layer.values()) / 2**20
+            rows.append({"measure": "decode step", "value": round(latency, 3), "unit": "ms/token", "mixer": mixer, "context": context})
+            rows.append({"measure": "decode state memory", "value": round(size, 3), "unit": "MB", "mixer": mixer, "context": context})
+            log(f"  {mixer} after {context:,} tokens: {latency:.2f} ms/token, state {size:.2f} MB")
+    return _with_ratios(rows)
+
+
+def bench_quality(corpus: Path, seconds: float, mixers: tuple[str, ...], log=print) -> list[Row]:
+    """Train each mixer for the same wall time on the same split; held-out nats/char and bits/char.
+
+    Every mixer is scored the same way: the held-out text in windows of the training length (the
+    paper's protocol, and the most context attention was trained for). aft_local is also read as
+    one stream, by position, to show whether its quality holds past the training length.
+    """
+    import math
+    import tempfile
+
+    from aftgen.checkpoint import load_checkpoint
+    from aftgen.data import read_text, split_text
+    from aftgen.evaluate import evaluate_text, stream_nll
+    from aftgen.training import TrainOptions, train
+
+    _, held_out = split_text(read_text(corpus))
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="aftgen-bench-") as folder:
+        for mixer in mixers:
+            log(f"  training {mixer} for {seconds:g} s ...")
+            options = TrainOptions(
+                corpus=corpus, out=Path(folder) / mixer, mixer=mixer, max_time=seconds, max_steps=10**9, eval_interval=10**9
+            )
+            model, tokenizer = load_checkpoint(train(options, quiet=True))
+            result = evaluate_text(model, tokenizer, held_out, reset_every=model.config.context_length)
+            where = {"mixer": mixer, "train_seconds": seconds, "eval": f"windows of {model.config.context_length} tokens"}
+            rows.append({"measure": "held-out", "value": round(result.nats_per_char, 4), "unit": "nats/char", **where})
+            rows.append({"measure": "held-out", "value": round(result.bits_per_char, 4), "unit": "bits/char", **where})
+            log(f"  {mixer}: {result.nats_per_char:.4f} nats/char ({result.bits_per_char:.4f} bits/char)")
+            if mixer != "aft_local":
+                continue
+            ids = torch.tensor([tokenizer.bos_id, *tokenizer.encode(held_out)])
+            nll = stream_nll(model, ids)
+            for low, high in POSITION_BINS:
+                if low >= len(nll):
+                    continue
+                chars = len(tokenizer.decode(ids[1 + low : 1 + (high or len(nll))].tolist()))
+                nats = float(nll[low:high].double().sum()) / max(chars, 1)
+                span = f"{low // 1000}k-{high // 1000}k" if high else f">{low // 1000}k"
+                rows.append({"measure": "held-out, one stream", "value": round(nats, 4), "unit": "nats/char", "mixer": mixer, "tokens": span})
+                log(f"  aft_local stream, tokens {span}: {nats:.4f} nats/char ({nats / math.log(2):.4f} bits/char)")
+    base = {r["unit"]: r["value"] for r in rows if r["mixer"] == BASELINE and r["measure"] == "held-out"}
+    for r in rows:
+        if r["measure"] == "held-out" and r["unit"] in base:
+            r["vs_attention"] = round(r["value"] - base[r["unit"]], 4)  # a difference: lower is better
+    return rows
+
+
+def comparison_targets(rows: list[Row]) -> list[Row]:
+    """The issue's targets, checked against the measured ratios (those present)."""
+
+    def ratio(measure: str, **where) -> float | None:
+        for r in rows:
+            if r["measure"] == measure and r["mixer"] == "aft_local" and all(r.get(k) == v for k, v in where.items()):
+                return r.get("vs_attention")
+        return None
+
+    checks = [
+        ("train tokens/s aft_local / attention, T=256", ratio("train step", length=256), "x", ">= 1.0", lambda x: x >= 1.0),
+        ("train tokens/s aft_local / attention, T=1024", ratio("train step", length=1024), "x", ">= 1.4", lambda x: x >= 1.4),
+        ("train tokens/s aft_local / attention, T=4096", ratio("train step", length=4096), "x", ">= 2.5", lambda x: x >= 2.5),
+        ("train peak memory aft_local / attention, T=4096", ratio("train peak memory", length=4096), "x", "<= 0.5", lambda x: x <= 0.5),
+        ("mixer fwd+bwd time aft_local / attention, T=1024", ratio("mixer fwd+bwd", length=1024), "x", "<= 0.5", lambda x: x <= 0.5),
+        ("decode latency aft_local / attention, after 32k", ratio("decode step", context=32_000), "x", "<= 0.125", lambda x: x <= 0.125),
+        ("held-out nats/char, aft_local minus attention", ratio("held-out", unit="nats/char"), "nats/char", "<= 0.03", lambda x: x <= 0.03),
+    ]
+    memory = [r["value"] for r in rows if r["measure"] == "decode state memory" and r["mixer"] == "aft_local"]
+    targets = [
+        {"measure": name, "value": value, "unit": unit, "target": goal, "ok": test(value)}
+        for name, value, unit, goal, test in checks
+        if value is not None
+    ]
+    if memory:
+        growth = memory[-1] - memory[0]
+        targets.append({"measure": "decode state growth aft_local, 1k -> 32k", "value": growth, "unit": "MB", "target": "== 0", "ok": growth == 0})
+    return targets
+
+
+def print_comparison(rows: list[Row], as_json: bool) -> None:
+    """JSON rows on stdout, or rich tables: one column per mixer, plus aft_local against attention."""
+    if as_json:
+        print_rows(rows, True)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    measured = [r for r in rows if "mixer" in r]
+    mixers = list(dict.fromkeys(r["mixer"] for r in measured))
+    table = Table(title="aftgen bench: every mixer at the same width and depth")
+    for column in ("measure", "at", *mixers, "aft_local vs attention"):
+        table.add_column(column, justify="left" if column in ("measure", "at") else "right")
+    groups: dict[tuple, dict] = {}
+    for r in measured:
+        at = next((f"{k} {r[k]:,}" if isinstance(r[k], int) else f"{k} {r[k]}" for k in ("length", "context", "tokens") if k in r), "")
+        groups.setdefault((f"{r['measure']} ({r['unit']})", at), {})[r["mixer"]] = r
+    for (measure, at), by_mixer in groups.items():
+        ours = by_mixer.get("aft_local", {}).get("vs_attention")
+        versus = "" if ours is None else (f"{ours:+.4f}" if measure.startswith("held-out (") else f"{ours:.2f}x")
+        cells = [f"{by_mixer[m]['value']:,.4g}" if m in by_mixer else "" for m in mixers]
+        table.add_row(measure, at, *cells, versus)
+    console.print(table)
+    checks = [r for r in rows if "target" in r]
+    if checks:
+        verdicts = Table(title="targets")
+        for column in ("target", "measured", "goal", ""):
+            verdicts.add_column(column)
+        for r in checks:
+            verdicts.add_row(r["measure"], f"{r['value']:.3g}", r["target"], "ok" if r["ok"] else "MISSED")
+        console.print(verdicts)
+
+
+def plot_comparison(rows: list[Row], path: Path) -> None:
+    """Training speed and memory by length, decode latency by context: one PNG, written atomically."""
+    import io
+
+    from aftgen.errors import AftgenError
+    from aftgen.files import atomic_write
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise AftgenError("--plot needs matplotlib: pip install 'aftgen[plot]'") from None
+    panels = [("train step", "length"), ("train peak memory", "length"), ("decode step", "context")]
+    panels = [(m, k) for m, k in panels if any(r["measure"] == m for r in rows)]
+    if not panels:
+        raise AftgenError("nothing to plot: --plot draws the train and decode rows")
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for axis, (measure, key) in zip(axes[0], panels, strict=True):
+        chosen = [r for r in rows if r["measure"] == measure]
+        for mixer in dict.fromkeys(r["mixer"] for r in chosen):
+            points = [(r[key], r["value"]) for r in chosen if r["mixer"] == mixer]
+            axis.plot(*zip(*points, strict=True), marker="o", label=mixer)
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("sequence length" if key == "length" else "context (tokens)")
+        axis.set_ylabel(chosen[0]["unit"])
+        axis.set_title(measure)
+        axis.legend()
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
+    plt.close(figure)
+    atomic_write(path, buffer.getvalue())

@@ -437,8 +437,103 @@ def push(
     print(push_checkpoint(run_dir, repo_id, private, revision, include_training_state))
 
 
-bench_app = typer.Typer(help="Measure speed and memory on this machine.", no_args_is_help=True)
+bench_app = typer.Typer(help="Measure speed and memory on this machine (no subcommand: `bench all`).")
 app.add_typer(bench_app, name="bench")
+AsJson = Annotated[bool, typer.Option("--json", help="One JSON object per row on stdout.")]
+PlotFile = Annotated[Path | None, typer.Option("--plot", help="Also draw the rows to this PNG (needs matplotlib: aftgen\\[plot]).")]
+Corpus = Annotated[Path | None, typer.Option("--corpus", help="Text for the quality rows (left out without it).")]
+QualityTime = Annotated[float, typer.Option("--quality-time", help="Training seconds per mixer for the quality rows.")]
+
+
+def _report(rows: list, as_json: bool, plot: Path | None) -> None:
+    from aftgen.bench import comparison_targets, plot_comparison, print_comparison
+
+    rows = rows + comparison_targets(rows)
+    print_comparison(rows, as_json)
+    if plot is not None:
+        plot_comparison(rows, plot)
+        print(f"plot: {plot}", file=sys.stderr)
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _check_corpus(corpus: Path | None) -> None:
+    if corpus is not None and not corpus.is_file():
+        raise AftgenError(f"{corpus}: no such file")
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench_main(
+    ctx: typer.Context, corpus: Corpus = None, quality_time: QualityTime = 40.0, as_json: AsJson = False, plot: PlotFile = None
+) -> None:
+    """Every mixer side by side: training speed and memory, decode latency, held-out quality."""
+    if ctx.invoked_subcommand is None:
+        bench_all(corpus, quality_time, as_json, plot)
+
+
+@bench_app.command("all")
+@command
+def bench_all(corpus: Corpus = None, quality_time: QualityTime = 40.0, as_json: AsJson = False, plot: PlotFile = None) -> None:
+    """train + decode (+ quality with --corpus) in one run: the paper's comparison on this machine."""
+    from aftgen.bench import bench_decode, bench_quality, bench_train
+    from aftgen.model import MIXERS
+
+    _check_corpus(corpus)
+    _threads()
+    _progress(f"bench: {', '.join(MIXERS)}; {torch_threads()} threads; ratios against attention")
+    rows = bench_train(MIXERS, repeats=2, log=_progress) + bench_decode(repeats=50, log=_progress)
+    if corpus is None:
+        _progress("quality rows left out: pass --corpus FILE (e.g. Tiny Shakespeare)")
+    else:
+        rows += bench_quality(corpus, quality_time, MIXERS, log=_progress)
+    _report(rows, as_json, plot)
+
+
+@bench_app.command("train")
+@command
+def bench_train_command(
+    repeats: Annotated[int, typer.Option(help="Timed steps per configuration (the fastest counts).")] = 3,
+    as_json: AsJson = False,
+    plot: PlotFile = None,
+) -> None:
+    """Training-step tokens/s and peak memory at T = 256, 1024, 4096 (equal tokens per step), and the mixer alone."""
+    from aftgen.bench import bench_train
+    from aftgen.model import MIXERS
+
+    if repeats < 1:
+        raise AftgenError(f"--repeats must be >= 1, got {repeats}")
+    _threads()
+    _report(bench_train(MIXERS, repeats, log=_progress), as_json, plot)
+
+
+@bench_app.command("decode")
+@command
+def bench_decode_command(as_json: AsJson = False, plot: PlotFile = None) -> None:
+    """aft_local's recurrent step against attention's KV cache: latency and state size after 1k, 8k, 32k tokens."""
+    from aftgen.bench import bench_decode
+
+    _threads()
+    _report(bench_decode(log=_progress), as_json, plot)
+
+
+@bench_app.command("quality")
+@command
+def bench_quality_command(
+    corpus: Annotated[Path, typer.Argument(help="UTF-8 text; the last 10% is held out.")],
+    seconds: Annotated[float, typer.Option("--time", help="Training wall time per mixer, in seconds.")] = 150.0,
+    as_json: AsJson = False,
+) -> None:
+    """Train every mixer for the same wall time on the same split; held-out nats/char and bits/char."""
+    from aftgen.bench import bench_quality
+    from aftgen.model import MIXERS
+
+    _check_corpus(corpus)
+    if not seconds > 0:
+        raise AftgenError(f"--time must be positive, got {seconds}")
+    _threads()
+    _report(bench_quality(corpus, seconds, MIXERS, log=_progress), as_json, None)
 
 
 @bench_app.command("generate")

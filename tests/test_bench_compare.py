@@ -1,0 +1,37 @@
+"""`aftgen bench`'s mixer comparison: probes run for every mixer, ratios and targets come out right."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from aftgen.bench import _with_ratios, comparison_targets, probe
+from aftgen.cli import app
+from aftgen.model import MIXERS
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_probe_times_a_training_step_and_the_mixer_alone(mixer):
+    for kind in ("train", "mixer"):
+        got = probe(kind, mixer, 256, repeats=1, threads=1)
+        assert got["batch"] == 16  # 4,096 tokens per step at every length
+        assert got["seconds"] > 0 and got["tokens_per_s"] == pytest.approx(4096 / got["seconds"])
+
+
+def test_ratios_are_against_attention_at_the_same_length_and_targets_read_them():
+    rows = [
+        {"measure": "train step", "mixer": m, "length": length, "value": value}
+        for m, length, value in [("aft_local", 1024, 300.0), ("attention", 1024, 200.0), ("aft_local", 4096, 500.0), ("attention", 4096, 100.0)]
+    ]
+    _with_ratios(rows)
+    assert [r["vs_attention"] for r in rows] == [1.5, 1.0, 5.0, 1.0]
+    targets = {t["measure"]: t for t in comparison_targets(rows)}
+    assert targets["train tokens/s aft_local / attention, T=1024"]["ok"] is True  # 1.5 >= 1.4
+    assert targets["train tokens/s aft_local / attention, T=4096"]["value"] == 5.0
+    assert not any("T=256" in name for name in targets)  # no row, no verdict
+
+
+def test_bench_quality_refuses_a_missing_corpus_in_one_line(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "quality", str(tmp_path / "nope.txt"), "--time", "1"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [f"error: {tmp_path / 'nope.txt'}: no such file"]
