@@ -1,3 +1,3 @@
-from aftgen.cli import app
+from aftgen.cli import run
 
-app(prog_name="aftgen")
+run()

@@ -562,3 +562,12 @@ def torch_threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+def run() -> None:
+    """Console entry point: a Ctrl-C that lands outside a command (start-up, exit) still exits 130 quietly."""
+    try:
+        app(prog_name="aftgen")
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
