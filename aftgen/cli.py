@@ -566,8 +566,12 @@ def torch_threads() -> int:
 
 def run() -> None:
     """Console entry point: a Ctrl-C that lands outside a command (start-up, exit) still exits 130 quietly."""
+    import signal
+
     try:
         app(prog_name="aftgen")
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    finally:  # every file is already complete; a Ctrl-C during interpreter shutdown must not kill it by signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
