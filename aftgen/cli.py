@@ -540,19 +540,24 @@ def bench_quality_command(
 @command
 def bench_generate(
     model: Annotated[str | None, typer.Option("--model", "-m", help="Checkpoint (default: the shipped model, else a random 'small' one).")] = None,
+    preset: Annotated[str | None, typer.Option("--preset", help="Time a randomly initialised model of this training preset instead.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per row on stdout.")] = False,
 ) -> None:
     """Per-token latency after 1k-100k tokens of context, ingestion speed, memory, and the matvec floor."""
     from aftgen.api import default_model_path, load
     from aftgen.bench import bench_generate as measure
     from aftgen.bench import print_rows, random_model
+    from aftgen.training import PRESETS
 
+    if model is not None and preset is not None:
+        raise AftgenError("give --model or --preset, not both")
+    if preset is not None and preset not in PRESETS:
+        raise AftgenError(f"unknown preset '{preset}'; choose one of: {', '.join(PRESETS)}")
     _threads()
-    if model is None and not (default_model_path() / "config.json").exists():
+    if preset is None and model is None and not (default_model_path() / "config.json").exists():
         print("no shipped model here: timing a randomly initialised preset 'small' model", file=sys.stderr)
-        lm = random_model("small")
-    else:
-        lm, _ = load(model)
+        preset = "small"
+    lm = random_model(preset) if preset is not None else load(model)[0]
     print(f"bench generate: {lm.num_parameters():,} parameters, {torch_threads()} threads", file=sys.stderr)
     rows = measure(lm, log=lambda line: print(line, file=sys.stderr))
     print_rows(rows, as_json)

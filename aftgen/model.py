@@ -175,15 +175,21 @@ class AFTLM(nn.Module):
         device = self.embed.weight.device
         return [block.mixer.initial_state(batch_size, device) for block in self.blocks]
 
-    def prefill(self, ids: torch.Tensor, state: ModelState | None = None) -> tuple[torch.Tensor, ModelState]:
-        """Read ids (B, T) in the parallel form, continuing from `state`; return logits and the new state."""
+    def prefill(
+        self, ids: torch.Tensor, state: ModelState | None = None, last_only: bool = False
+    ) -> tuple[torch.Tensor, ModelState]:
+        """Read ids (B, T) in the parallel form, continuing from `state`; return logits and the new state.
+
+        `last_only` computes logits for the last position alone (B, 1, vocab): reading a prompt needs
+        nothing else, and the output layer is a tenth of the work per token.
+        """
         x = self.embed(ids.to(self.embed.weight.device))  # ids may come from the CPU
         states = state or [None] * len(self.blocks)
         new_states = []
         for block, layer_state in zip(self.blocks, states, strict=True):
             x, layer_state = block(x, layer_state, return_state=True)
             new_states.append(layer_state)
-        return self._logits(x), new_states
+        return self._logits(x[:, -1:] if last_only else x), new_states
 
     def step(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         """Feed one token per sequence, ids (B,); return logits (B, vocab). Updates `state` in place."""

@@ -161,7 +161,7 @@ def read_prompt(
         return context
     ids_tensor = torch.tensor([ids])
     for start in range(0, len(ids), PROMPT_CHUNK):
-        logits, context.state = model.prefill(ids_tensor[:, start : start + PROMPT_CHUNK], context.state)
+        logits, context.state = model.prefill(ids_tensor[:, start : start + PROMPT_CHUNK], context.state, last_only=True)
     context.logits = logits[:, -1].float()
     context.remember(ids_tensor[:, -MAX_REPEAT_LAST_N:])
     context.pending = b""  # a character left unfinished before this text is abandoned

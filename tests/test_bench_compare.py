@@ -35,3 +35,17 @@ def test_bench_quality_refuses_a_missing_corpus_in_one_line(tmp_path):
     result = CliRunner().invoke(app, ["bench", "quality", str(tmp_path / "nope.txt"), "--time", "1"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [f"error: {tmp_path / 'nope.txt'}: no such file"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "huge"], "error: unknown preset 'huge'; choose one of: tiny, small, medium"),
+        (["--preset", "tiny", "--model", "x"], "error: give --model or --preset, not both"),
+    ],
+)
+def test_bench_generate_refuses_bad_model_choices_in_one_line(args, message):
+    result = CliRunner().invoke(app, ["bench", "generate", *args])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [message]
+

@@ -48,6 +48,18 @@ def test_prefill_then_step_equals_parallel(mixer):
     assert (stepped - full[:, 97:]).abs().max() <= 1e-4
 
 
+def test_prefill_last_only_gives_the_last_logits_and_the_same_state():
+    model = tiny_model("aft_local")
+    ids = token_ids((2, 40), 3)
+    with torch.inference_mode():
+        every, state = model.prefill(ids)
+        last, same_state = model.prefill(ids, last_only=True)
+    assert last.shape == (2, 1, 50)
+    assert (last - every[:, -1:]).abs().max() <= 1e-6
+    for layer, same in zip(state, same_state, strict=True):
+        assert all(torch.equal(layer[name], same[name]) for name in layer)
+
+
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_causality(mixer):
     model = tiny_model(mixer)

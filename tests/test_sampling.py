@@ -213,7 +213,9 @@ def test_chat_never_rereads_history(tiny, monkeypatch, capsys):
     model, tokenizer = tiny
     read_lengths = []
     prefill = model.prefill
-    monkeypatch.setattr(model, "prefill", lambda ids, state=None: read_lengths.append(ids.shape[1]) or prefill(ids, state))
+    monkeypatch.setattr(
+        model, "prefill", lambda ids, state=None, **kw: read_lengths.append(ids.shape[1]) or prefill(ids, state, **kw)
+    )
     monkeypatch.setattr(sys, "stdin", io.StringIO("KING:\nQUEEN: speak\nNURSE:\n"))
     context = run_chat(model, tokenizer, SamplingOptions(max_new_tokens=15, seed=0), None, None)
     replies = capsys.readouterr().out
