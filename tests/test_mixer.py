@@ -134,3 +134,14 @@ def test_huge_keys_and_long_sequences_stay_finite():
     for t in range(200):
         out = aft_step(q[:, t].detach(), soft_cap(raw_k[:, t].detach()), v[:, t].detach(), soft_cap(w.detach()), decay.detach(), state)
         assert torch.isfinite(out).all()
+
+
+def test_fresh_heads_range_from_the_last_token_to_the_whole_window():
+    from aftgen.mixer import AFTLocalMixer
+
+    mixer = AFTLocalMixer(n_embd=48, n_head=6, window=32, context_length=128, decay=True)
+    share = torch.softmax(soft_cap(mixer.w.detach()), dim=-1)  # each head's weight over its window
+    assert (mixer.w.diff(dim=-1) <= 0).all()  # no head favours older tokens over newer ones
+    assert share[-1, 0] > 0.5  # the sharpest head mostly reads the newest token
+    assert share[0, 0] < 0.2  # the broadest spreads over the window
+    assert (mixer.w >= 0).all()  # never below the weight of what lies beyond the window
