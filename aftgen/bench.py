@@ -453,12 +453,9 @@ def print_comparison(rows: list[Row], as_json: bool) -> None:
         console.print(verdicts)
 
 
-def plot_comparison(rows: list[Row], path: Path) -> None:
-    """Training speed and memory by length, decode latency by context: one PNG, written atomically."""
-    import io
-
+def pyplot():
+    """matplotlib's pyplot, drawing to files only; checked before a benchmark starts, not after it."""
     from aftgen.errors import AftgenError
-    from aftgen.files import atomic_write
 
     try:
         import matplotlib
@@ -467,6 +464,17 @@ def plot_comparison(rows: list[Row], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise AftgenError("--plot needs matplotlib: pip install 'aftgen[plot]'") from None
+    return plt
+
+
+def plot_comparison(rows: list[Row], path: Path) -> None:
+    """Training speed and memory by length, decode latency by context: one PNG, written atomically."""
+    import io
+
+    from aftgen.errors import AftgenError
+    from aftgen.files import atomic_write
+
+    plt = pyplot()
     panels = [("train step", "length"), ("train peak memory", "length"), ("decode step", "context")]
     panels = [(m, k) for m, k in panels if any(r["measure"] == m for r in rows)]
     if not panels:

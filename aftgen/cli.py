@@ -464,6 +464,13 @@ def _check_corpus(corpus: Path | None) -> None:
         raise AftgenError(f"{corpus}: no such file")
 
 
+def _check_plot(plot: Path | None) -> None:
+    from aftgen.bench import pyplot
+
+    if plot is not None:
+        pyplot()
+
+
 @bench_app.callback(invoke_without_command=True)
 def bench_main(
     ctx: typer.Context, corpus: Corpus = None, quality_time: QualityTime = 40.0, as_json: AsJson = False, plot: PlotFile = None
@@ -481,6 +488,7 @@ def bench_all(corpus: Corpus = None, quality_time: QualityTime = 40.0, as_json: 
     from aftgen.model import MIXERS
 
     _check_corpus(corpus)
+    _check_plot(plot)
     _threads()
     _progress(f"bench: {', '.join(MIXERS)}; {torch_threads()} threads; ratios against attention")
     rows = bench_train(MIXERS, repeats=2, log=_progress) + bench_decode(repeats=50, log=_progress)
@@ -504,6 +512,7 @@ def bench_train_command(
 
     if repeats < 1:
         raise AftgenError(f"--repeats must be >= 1, got {repeats}")
+    _check_plot(plot)
     _threads()
     _report(bench_train(MIXERS, repeats, log=_progress), as_json, plot)
 
@@ -514,6 +523,7 @@ def bench_decode_command(as_json: AsJson = False, plot: PlotFile = None) -> None
     """aft_local's recurrent step against attention's KV cache: latency and state size after 1k, 8k, 32k tokens."""
     from aftgen.bench import bench_decode
 
+    _check_plot(plot)
     _threads()
     _report(bench_decode(log=_progress), as_json, plot)
 
@@ -539,12 +549,14 @@ def bench_quality_command(
 @bench_app.command("generate")
 @command
 def bench_generate(
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Checkpoint (default: the shipped model, else a random 'small' one).")] = None,
-    preset: Annotated[str | None, typer.Option("--preset", help="Time a randomly initialised model of this training preset instead.")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Time this checkpoint (folder or Hub id).")] = None,
+    preset: Annotated[
+        str | None, typer.Option("--preset", help="Time a randomly initialised model of this training preset (default: small, `aftgen train`'s size).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per row on stdout.")] = False,
 ) -> None:
     """Per-token latency after 1k-100k tokens of context, ingestion speed, memory, and the matvec floor."""
-    from aftgen.api import default_model_path, load
+    from aftgen.api import load
     from aftgen.bench import bench_generate as measure
     from aftgen.bench import print_rows, random_model
     from aftgen.training import PRESETS
@@ -554,10 +566,8 @@ def bench_generate(
     if preset is not None and preset not in PRESETS:
         raise AftgenError(f"unknown preset '{preset}'; choose one of: {', '.join(PRESETS)}")
     _threads()
-    if preset is None and model is None and not (default_model_path() / "config.json").exists():
-        print("no shipped model here: timing a randomly initialised preset 'small' model", file=sys.stderr)
-        preset = "small"
-    lm = random_model(preset) if preset is not None else load(model)[0]
+    # Timing depends on the sizes, not on the weights: random ones serve, and need no checkpoint.
+    lm = load(model)[0] if model is not None else random_model(preset or "small")
     print(f"bench generate: {lm.num_parameters():,} parameters, {torch_threads()} threads", file=sys.stderr)
     rows = measure(lm, log=lambda line: print(line, file=sys.stderr))
     print_rows(rows, as_json)

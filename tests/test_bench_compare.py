@@ -49,3 +49,17 @@ def test_bench_generate_refuses_bad_model_choices_in_one_line(args, message):
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [message]
 
+
+
+def test_plot_without_matplotlib_is_refused_before_any_benchmark(monkeypatch, tmp_path):
+    import sys
+
+    import aftgen.bench
+
+    ran = []
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    monkeypatch.setattr(aftgen.bench, "bench_train", lambda *a, **k: ran.append(1) or [])
+    result = CliRunner().invoke(app, ["bench", "train", "--plot", str(tmp_path / "p.png")])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == ["error: --plot needs matplotlib: pip install 'aftgen[plot]'"]
+    assert not ran
