@@ -28,6 +28,7 @@ def atomic_open(path: Path | str, mode: str = "wb") -> Iterator[IO]:
         with os.fdopen(fd, mode) as handle:
             yield handle
             handle.flush()
+            os.fchmod(handle.fileno(), _mode_for(path))  # mkstemp's 0600 would hide the file from others
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
@@ -36,6 +37,15 @@ def atomic_open(path: Path | str, mode: str = "wb") -> Iterator[IO]:
         if isinstance(exc, OSError):
             raise _write_error(path, exc) from None
         raise
+
+
+def _mode_for(path: Path) -> int:
+    """The permissions a plain open() would give: the replaced file's, else 0666 less the umask."""
+    with contextlib.suppress(OSError):
+        return path.stat().st_mode & 0o7777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _write_error(path: Path, exc: OSError) -> AftgenError:

@@ -540,3 +540,17 @@ def test_read_config_on_arbitrary_bytes(content):
             read_config(folder)
         except AftgenError:
             pass
+
+
+def test_atomic_writes_get_the_permissions_a_plain_open_would(tmp_path):
+    from aftgen.files import atomic_write
+
+    umask = os.umask(0o022)
+    try:
+        atomic_write(tmp_path / "new.json", "{}")
+        assert (tmp_path / "new.json").stat().st_mode & 0o777 == 0o644  # not mkstemp's 0600
+        os.chmod(tmp_path / "new.json", 0o640)
+        atomic_write(tmp_path / "new.json", "[]")  # replacing keeps the file's own permissions
+        assert (tmp_path / "new.json").stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(umask)
