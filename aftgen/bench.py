@@ -9,15 +9,17 @@ the model's own matrix-vector products alone, measured in the same run.
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from aftgen.model import AFTLM, AFTConfig, StepFunction, compile_step
+from aftgen.model import AFTLM, AFTConfig, StepFunction, clone_state, compile_step
 from aftgen.sampling import PROMPT_CHUNK, Context, SamplingOptions, generate, new_generator
 
 Row = dict  # {"measure", "value", "unit", optional "context", "target", "ok"}
@@ -49,24 +51,30 @@ def memory_mb() -> tuple[float, float]:
     return fields.get("VmRSS", peak), peak
 
 
-def _fastest_ms(run, repeats: int, rounds: int = 7) -> float:
-    """The fastest of `rounds` rounds' mean time of `repeats` calls, in ms, after a warm-up round.
+Timer = tuple[Callable[[], object], int, int]  # (one call, calls per round, tokens per call)
 
-    The fastest, not the median: on a shared machine other processes only ever add time, and the
-    floor, the step and the latencies after each context must be compared undisturbed alike.
+
+def fastest_side_by_side(timers: dict[str, Timer], rounds: int = 7) -> dict[str, float]:
+    """ms per token of each timer: the fastest of `rounds` rounds, the timers taking turns in each round.
+
+    The fastest, not the median: other processes only ever add time. Taking turns: a slow spell of a
+    shared machine then hits both sides of a ratio (floor and step, 1k and 100k) instead of one.
     """
-    run()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            run()
-        times.append((time.perf_counter() - start) / repeats * 1e3)
-    return min(times)
+    best = dict.fromkeys(timers, math.inf)
+    with torch.inference_mode():
+        for run, _, _ in timers.values():
+            run()  # warm-up: first-call allocations
+        for _ in range(rounds):
+            for name, (run, calls, tokens) in timers.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    run()
+                best[name] = min(best[name], (time.perf_counter() - start) / calls / tokens * 1e3)
+    return best
 
 
-def matrix_products_ms(model: AFTLM, tokens: int = 1) -> float:
-    """Time per token of the model's own matrix products alone, for `tokens` tokens at once.
+def products_timer(model: AFTLM, tokens: int = 1) -> Timer:
+    """The model's own matrix products alone, for `tokens` tokens at once.
 
     One token: the matrix-vector products of a step, every Linear plus the tied output layer, bound
     by memory bandwidth (the floor of per-token latency). A chunk: the matrix-matrix products of
@@ -82,18 +90,19 @@ def matrix_products_ms(model: AFTLM, tokens: int = 1) -> float:
             F.linear(inputs[lin.in_features], lin.weight, lin.bias)
         F.linear(hidden, model.embed.weight)
 
-    with torch.inference_mode():
-        return _fastest_ms(products, max(1, TIMED_STEPS // 5 // tokens)) / tokens
+    return products, max(1, TIMED_STEPS // 5 // tokens), tokens
 
 
-def step_ms(step: StepFunction, model: AFTLM, state, repeats: int = TIMED_STEPS) -> float:
-    """Per-token latency at batch 1 from `state` (a copy is stepped, so `state` itself stays put)."""
-    from aftgen.model import clone_state
-
+def step_timer(step: StepFunction, state, calls: int = TIMED_STEPS // 5) -> Timer:
+    """One token at batch 1 from `state` (a copy is stepped, so `state` itself stays put)."""
     scratch = clone_state(state)
     token = torch.ones(1, dtype=torch.long)
-    with torch.inference_mode():
-        return _fastest_ms(lambda: step(token, scratch), repeats // 5)
+    return (lambda: step(token, scratch)), calls, 1
+
+
+def prefill_timer(model: AFTLM, ids: torch.Tensor, state) -> Timer:
+    """Reading the chunk `ids` in the parallel form from `state` (left as it is)."""
+    return (lambda: model.prefill(ids, clone_state(state), last_only=True)), 1, ids.shape[1]
 
 
 def bench_generate(model: AFTLM, log=print) -> list[Row]:
@@ -104,32 +113,38 @@ def bench_generate(model: AFTLM, log=print) -> list[Row]:
         rows.append({"measure": measure, "value": round(value, 4), "unit": unit, **extra})
         log(f"  {measure}: {value:.4g} {unit}")
 
-    floor = matrix_products_ms(model)
-    row("matvec floor", floor, "ms/token")
-    ceiling = matrix_products_ms(model, PROMPT_CHUNK)
-    row(f"matmul ceiling of ingestion ({PROMPT_CHUNK}-token chunks)", ceiling, "ms/token")
     started = time.perf_counter()
     compiled, note = compile_step(model)
-    row("compile warm-up (once per process, not in latencies)", time.perf_counter() - started, "s", note=note)
+    warm_up = time.perf_counter() - started
 
     # Long contexts, reached by reading random tokens in the parallel form, chunk by chunk.
     ids = torch.randint(0, model.config.vocab_size, (1, PROMPT_CHUNK), generator=torch.Generator().manual_seed(0))
-    state, position, read_seconds, latency = model.initial_state(1), 0, 0.0, {}
-    for context in CONTEXTS:
-        start = time.perf_counter()
-        with torch.inference_mode():
+    state, position, states = model.initial_state(1), 0, {}
+    with torch.inference_mode():
+        for context in CONTEXTS:
             while position < context:
                 chunk = ids[:, : min(PROMPT_CHUNK, context - position)]
                 _, state = model.prefill(chunk, state, last_only=True)
                 position += chunk.shape[1]
-        read_seconds += time.perf_counter() - start
-        if context == CONTEXTS[0]:
-            eager = step_ms(model.step, model, state)
-            row("step latency, eager (before fusion)", eager, "ms/token", context=context)
-        latency[context] = step_ms(compiled, model, state)
+            states[context] = clone_state(state)
+    ms = fastest_side_by_side(
+        {
+            "floor": products_timer(model),
+            "ceiling": products_timer(model, PROMPT_CHUNK),
+            "eager": step_timer(model.step, states[CONTEXTS[0]]),
+            **{context: step_timer(compiled, states[context]) for context in CONTEXTS},
+            "ingestion": prefill_timer(model, ids, states[CONTEXTS[-1]]),
+        }
+    )
+    floor, ceiling, eager, latency = ms["floor"], ms["ceiling"], ms["eager"], {c: ms[c] for c in CONTEXTS}
+    row("matvec floor", floor, "ms/token")
+    row(f"matmul ceiling of ingestion ({PROMPT_CHUNK}-token chunks)", ceiling, "ms/token")
+    row("compile warm-up (once per process, not in latencies)", warm_up, "s", note=note)
+    row("step latency, eager (before fusion)", eager, "ms/token", context=CONTEXTS[0])
+    for context in CONTEXTS:
         row("step latency" + ("" if compiled is not model.step else " (eager: no compiler)"), latency[context], "ms/token", context=context)
-    ingest = position / read_seconds
-    row("prompt ingestion", ingest, "tokens/s")
+    ingest = 1e3 / ms["ingestion"]
+    row(f"prompt ingestion ({PROMPT_CHUNK}-token chunks)", ingest, "tokens/s")
 
     # Memory over a long real generation (sampling included), with the fast step.
     options = SamplingOptions(max_new_tokens=-1, temperature=0.8, seed=0)
@@ -330,12 +345,15 @@ def bench_decode(repeats: int = 100, log=print) -> list[Row]:
                         _, state = model.prefill(chunk, state, last_only=True)
                         position += chunk.shape[1]
             where = {"mixer": mixer, "context": context}
-            latency = step_ms(step, model, state, repeats)
+            timers = {"step": step_timer(step, state, repeats // 5)}
+            if step is not model.step:
+                timers["eager"] = step_timer(model.step, state, repeats // 5)
+            ms = fastest_side_by_side(timers)
+            latency = ms["step"]
             size = sum(t.numel() * t.element_size() for layer in state for t in layer.values()) / 2**20
             rows.append({"measure": "decode step", "value": round(latency, 3), "unit": "ms/token", "step": note, **where})
-            if step is not model.step:
-                eager = step_ms(model.step, model, state, repeats)
-                rows.append({"measure": "decode step, eager", "value": round(eager, 3), "unit": "ms/token", **where})
+            if "eager" in ms:
+                rows.append({"measure": "decode step, eager", "value": round(ms["eager"], 3), "unit": "ms/token", **where})
             rows.append({"measure": "decode state memory", "value": round(size, 3), "unit": "MB", **where})
             log(f"  {mixer} after {context:,} tokens: {latency:.2f} ms/token ({note}), state {size:.2f} MB")
     return _with_ratios(rows)
