@@ -105,6 +105,17 @@ def prefill_timer(model: AFTLM, ids: torch.Tensor, state) -> Timer:
     return (lambda: model.prefill(ids, clone_state(state), last_only=True)), 1, ids.shape[1]
 
 
+@torch.inference_mode()
+def read_until(model: AFTLM, ids: torch.Tensor, state, context: int):
+    """Read the chunk `ids` over and over in the parallel form until `state` holds `context` tokens."""
+    position = int(state[0]["position"])
+    while position < context:
+        chunk = ids[:, : min(ids.shape[1], context - position)]
+        _, state = model.prefill(chunk, state, last_only=True)
+        position += chunk.shape[1]
+    return state
+
+
 def bench_generate(model: AFTLM, log=print) -> list[Row]:
     """Every measurement of `aftgen bench generate`, as rows (targets from the issue's bar)."""
     rows: list[Row] = []
@@ -119,14 +130,10 @@ def bench_generate(model: AFTLM, log=print) -> list[Row]:
 
     # Long contexts, reached by reading random tokens in the parallel form, chunk by chunk.
     ids = torch.randint(0, model.config.vocab_size, (1, PROMPT_CHUNK), generator=torch.Generator().manual_seed(0))
-    state, position, states = model.initial_state(1), 0, {}
-    with torch.inference_mode():
-        for context in CONTEXTS:
-            while position < context:
-                chunk = ids[:, : min(PROMPT_CHUNK, context - position)]
-                _, state = model.prefill(chunk, state, last_only=True)
-                position += chunk.shape[1]
-            states[context] = clone_state(state)
+    state, states = model.initial_state(1), {}
+    for context in CONTEXTS:
+        state = read_until(model, ids, state, context)
+        states[context] = clone_state(state)
     ms = fastest_side_by_side(
         {
             "floor": products_timer(model),
@@ -334,16 +341,12 @@ def bench_decode(repeats: int = 100, log=print) -> list[Row]:
         torch.manual_seed(0)
         model = comparison_model(mixer, 128).eval()
         step, note = compile_step(model) if mixer != BASELINE else (model.step, "eager")
-        state, position = model.initial_state(1), 0
+        state = model.initial_state(1)
         for context in DECODE_CONTEXTS:
             if mixer == BASELINE:
                 state = _filled_attention_cache(model, context)
-            else:
-                with torch.inference_mode():
-                    while position < context:  # the real thing: read random tokens in the parallel form
-                        chunk = ids[:, : min(PROMPT_CHUNK, context - position)]
-                        _, state = model.prefill(chunk, state, last_only=True)
-                        position += chunk.shape[1]
+            else:  # the real thing: read random tokens in the parallel form
+                state = read_until(model, ids, state, context)
             where = {"mixer": mixer, "context": context}
             timers = {"step": step_timer(step, state, repeats // 5)}
             if step is not model.step:

@@ -50,7 +50,6 @@ def test_bench_generate_refuses_bad_model_choices_in_one_line(args, message):
     assert result.output.strip().splitlines() == [message]
 
 
-
 def test_plot_without_matplotlib_is_refused_before_any_benchmark(monkeypatch, tmp_path):
     import sys
 
