@@ -1,7 +1,7 @@
 """Checkpoints: a folder shaped like a Hugging Face model repo, loaded without pickle.
 
     config.json         architecture (validated field by field)
-    model.safetensors   fp32 weights (verified against the config: names, shapes, dtypes)
+    model.safetensors   weights in fp32, fp16 or bf16 (verified against the config: names, shapes)
     tokenizer.model     SentencePiece model
     README.md           model card
 """
@@ -25,15 +25,22 @@ CONFIG, WEIGHTS, TOKENIZER, CARD = "config.json", "model.safetensors", "tokenize
 CHECKPOINT_FILES = (CONFIG, WEIGHTS, TOKENIZER)
 MODEL_TYPE = "aftgen"
 FORMAT_VERSION = 1
+# Precisions model.safetensors may hold; weights are always used in fp32 (fp16 halves the file).
+WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def save_checkpoint(directory: Path | str, model: AFTLM, tokenizer: Tokenizer, card: str | None = None) -> None:
-    """Write weights, tokenizer, model card and config, each atomically.
+def save_checkpoint(
+    directory: Path | str, model: AFTLM, tokenizer: Tokenizer, card: str | None = None, weights_dtype: str = "fp32"
+) -> None:
+    """Write weights (stored as `weights_dtype`), tokenizer, model card and config, each atomically.
 
     config.json goes last, so a folder that has one held a complete checkpoint when it was written.
     """
     directory = Path(directory)
-    weights = {name: t.detach().float().cpu().contiguous() for name, t in model.state_dict().items()}
+    if weights_dtype not in WEIGHT_DTYPES:
+        raise AftgenError(f"unknown weights dtype '{weights_dtype}'; choose one of: {', '.join(WEIGHT_DTYPES)}")
+    stored = WEIGHT_DTYPES[weights_dtype]
+    weights = {name: t.detach().to("cpu", stored).contiguous() for name, t in model.state_dict().items()}
     atomic_write(directory / WEIGHTS, save_safetensors(weights, metadata={"format": "pt"}))
     atomic_write(directory / TOKENIZER, tokenizer.model_proto)
     if card is not None:
@@ -74,10 +81,10 @@ def read_config(directory: Path | str) -> AFTConfig:
         raise AftgenError(f"{path}: {exc}") from None
 
 
-def load_weights(path: Path, model: AFTLM) -> None:
-    """Load safetensors weights into `model`, refusing any missing, extra or misshapen tensor.
+def read_weights(path: Path, model: AFTLM) -> dict[str, torch.Tensor]:
+    """The safetensors weights for `model`, refusing any missing, extra, misshapen or non-finite tensor.
 
-    The tensors are assigned, not copied, so `model` may live on the meta device (no memory yet).
+    Weights stored in a lower precision are widened to the model's own dtypes.
     """
     try:
         tensors = load_safetensors(path.read_bytes())
@@ -90,14 +97,21 @@ def load_weights(path: Path, model: AFTLM) -> None:
         raise AftgenError(f"{path}: weights do not match config.json ({detail})")
     for name, tensor in tensors.items():
         want = expected[name]
-        if tensor.shape != want.shape or tensor.dtype != want.dtype:
+        storable = tensor.dtype in WEIGHT_DTYPES.values() if want.is_floating_point() else tensor.dtype == want.dtype
+        if tensor.shape != want.shape or not storable:
             raise AftgenError(
                 f"{path}: tensor '{name}' is {tensor.dtype} {tuple(tensor.shape)}, "
                 f"config.json needs {want.dtype} {tuple(want.shape)}"
             )
         if not torch.isfinite(tensor).all():
             raise AftgenError(f"{path}: tensor '{name}' holds NaN or inf")
-    model.load_state_dict(tensors, assign=True)
+        tensors[name] = tensor.to(want.dtype)
+    return tensors
+
+
+def load_weights(path: Path, model: AFTLM) -> None:
+    """Load checked weights (read_weights) into `model` by assignment, so it may live on the meta device."""
+    model.load_state_dict(read_weights(path, model), assign=True)
 
 
 def check_checkpoint(directory: Path | str) -> AFTConfig:
@@ -118,7 +132,7 @@ def check_checkpoint(directory: Path | str) -> AFTConfig:
 def load_checkpoint(directory: Path | str, device: str | torch.device = "cpu") -> tuple[AFTLM, Tokenizer]:
     """Load a local checkpoint folder as (model in eval mode on `device`, tokenizer).
 
-    Weights are stored in fp32 on no particular device, so a model trained anywhere loads anywhere.
+    Weights are stored on no particular device, so a model trained anywhere loads anywhere.
     """
     directory = Path(directory)
     config = check_checkpoint(directory)

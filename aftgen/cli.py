@@ -137,6 +137,13 @@ def train(
     weight_decay: Annotated[float, typer.Option(rich_help_panel=TRAIN_PANEL)] = 0.1,
     grad_clip: Annotated[float, typer.Option(rich_help_panel=TRAIN_PANEL)] = 1.0,
     eval_interval: Annotated[int, typer.Option(help="Steps between held-out evals and checkpoints.", rich_help_panel=TRAIN_PANEL)] = 250,
+    eval_windows: Annotated[int, typer.Option(help="Held-out windows each eval scores.", rich_help_panel=TRAIN_PANEL)] = 32,
+    keep_best: Annotated[
+        bool, typer.Option(help="Publish the weights that scored best on the held-out eval, not the latest.", rich_help_panel=TRAIN_PANEL)
+    ] = False,
+    weights_dtype: Annotated[
+        str, typer.Option(help="fp32 | fp16 | bf16: precision of model.safetensors (fp16 halves it).", rich_help_panel=TRAIN_PANEL)
+    ] = "fp32",
     seed: Annotated[int, typer.Option(rich_help_panel=TRAIN_PANEL)] = 1337,
     vocab_size: Annotated[int, typer.Option(rich_help_panel=DATA_PANEL)] = 1024,
     tokenizer_type: Annotated[str, typer.Option(help="bpe | unigram | char.", rich_help_panel=DATA_PANEL)] = "bpe",
@@ -161,7 +168,8 @@ def train(
         corpus=corpus, out=out, preset=preset, n_layer=n_layer, n_embd=n_embd, n_head=n_head, mixer=mixer,
         window=window, context_length=context_length, batch_size=batch_size, dropout=dropout, decay=decay, lr=lr,
         weight_decay=weight_decay, warmup_steps=warmup_steps, grad_clip=grad_clip, max_steps=max_steps,
-        max_time=parse_duration(max_time) if max_time else None, eval_interval=eval_interval, seed=seed,
+        max_time=parse_duration(max_time) if max_time else None, eval_interval=eval_interval,
+        eval_windows=eval_windows, keep_best=keep_best, weights_dtype=weights_dtype, seed=seed,
         vocab_size=vocab_size, tokenizer_type=tokenizer_type, encoding=encoding, errors=errors,
         resume=resume, overwrite=overwrite, device=device, dtype=dtype, compile=compile_model,
         command=shlex.join(["aftgen", *sys.argv[1:]]),

@@ -18,7 +18,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from aftgen import data, distributed
-from aftgen.checkpoint import is_checkpoint, save_checkpoint
+from aftgen.checkpoint import WEIGHT_DTYPES, WEIGHTS, is_checkpoint, read_weights, save_checkpoint
 from aftgen.device import DEVICES, DTYPES, Placement, compiled, resolve
 from aftgen.distributed import World
 from aftgen.errors import AftgenError
@@ -64,6 +64,8 @@ class TrainOptions:
     max_time: float | None = None
     eval_interval: int = 250
     eval_windows: int = 32
+    keep_best: bool = False
+    weights_dtype: str = "fp32"
     seed: int = 1337
     vocab_size: int = 1024
     tokenizer_type: str = "bpe"
@@ -101,6 +103,8 @@ class TrainOptions:
             raise AftgenError(f"unknown --device '{self.device}'; choose one of: {', '.join(DEVICES)}")
         if self.dtype not in ("auto", *DTYPES):
             raise AftgenError(f"unknown --dtype '{self.dtype}'; choose one of: auto, {', '.join(DTYPES)}")
+        if self.weights_dtype not in WEIGHT_DTYPES:
+            raise AftgenError(f"unknown --weights-dtype '{self.weights_dtype}'; choose one of: {', '.join(WEIGHT_DTYPES)}")
         if self.errors not in ("strict", "replace", "ignore"):
             raise AftgenError(f"--errors must be strict, replace or ignore, got '{self.errors}'")
         settings = self.resolved()
@@ -220,11 +224,13 @@ def _held_out_loss(model: AFTLM, ids: torch.Tensor, length: int, windows: int) -
     rows = rows.to(model.embed.weight.device)
     was_training = model.training
     model.eval()
+    total = 0.0
     with torch.inference_mode():
-        logits = model(rows[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+        for group in rows.split(32):  # bounded memory however many windows are asked for
+            logits = model(group[:, :-1])
+            total += float(F.cross_entropy(logits.flatten(0, 1), group[:, 1:].flatten(), reduction="sum"))
     model.train(was_training)
-    return float(loss)
+    return total / (count * length)
 
 
 def _save_training_state(out: Path, model: AFTLM, optimizer, generator: torch.Generator, info: dict) -> None:
@@ -315,6 +321,9 @@ def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str =
         f"| vocabulary | {config.vocab_size} ({info.get('tokenizer_type', '?')}) |",
         f"| steps / wall time | {info.get('step', '?')} / {info.get('elapsed', 0):.0f} s |",
     ]
+    best = info.get("best")
+    if best and info.get("options", {}).get("keep_best"):
+        lines.append(f"| weights kept | step {best['step']}: the best held-out check during training |")
     if final:
         lines.append(
             f"| held-out (last 10%) | {final['nats_per_char']:.4f} nats/char, {final['bits_per_char']:.4f} bits/char |"
@@ -445,16 +454,31 @@ def _train(
             kept = f"the last good checkpoint (step {saved_step}) in {out} is kept" if saved_step is not None else "no checkpoint was written yet"
             return AftgenError(f"{what} became NaN or inf at step {at_step}; {kept}. Try a lower learning rate (--lr {options.lr / 3:.2g})")
 
-        def save(elapsed: float) -> None:
+        # With keep_best, model.safetensors holds the weights that scored best on the quick held-out
+        # check (nanoGPT's always_save_checkpoint=False); the training state always holds the latest.
+        best = saved.get("best") if options.resume else None
+
+        def is_best(held_out: float) -> bool:
+            nonlocal best
+            if best is not None and held_out >= best["held_out_nats_per_char"]:
+                return False
+            best = {"step": step, "held_out_nats_per_char": held_out}
+            return True
+
+        def publish(state_info: dict) -> None:
+            save_checkpoint(out, model, tokenizer, model_card(config, state_info, metrics), options.weights_dtype)
+
+        def save(elapsed: float, improved: bool = False) -> None:
             nonlocal saved_step
             if not world.main:
                 return
             if not all(torch.isfinite(p).all() for p in model.parameters()):  # never replace good weights with broken ones
                 raise diverged("the weights", step)
-            state_info = info | {"step": step, "elapsed": elapsed}
+            state_info = info | {"step": step, "elapsed": elapsed, "best": best}
             # The training state first (it alone is enough to resume), the marker training.json last.
             _save_training_state(out, model, optimizer, generator, state_info)
-            save_checkpoint(out, model, tokenizer, model_card(config, state_info, metrics))
+            if improved or not options.keep_best or not is_checkpoint(out):
+                publish(state_info)
             atomic_write(out / TRAINING_INFO, json.dumps(state_info, indent=2) + "\n")
             saved_step = step
 
@@ -527,23 +551,34 @@ def _train(
                         )
                         if on_eval:
                             on_eval(row)
-                        save(elapsed_before + now - start)
+                        save(elapsed_before + now - start, improved=is_best(row["held_out_nats_per_char"]))
                     loss_sum, loss_count = 0.0, 0
                     tokens_seen, window_start = 0, time.monotonic()
             elapsed = elapsed_before + time.monotonic() - start
-            save(elapsed)
+            last_checked = bool(metrics) and metrics[-1]["step"] == step
+            if options.keep_best and world.main and not stopped_by and not last_checked:
+                improved = is_best(_held_out_loss(model, held_out_ids, eval_length, options.eval_windows) / chars_per_token)
+            else:
+                improved = False
+            save(elapsed, improved)
         if stopped_by:
             reporter.log(f"{stopped_by}: saved step {step} to {out}; continue with: aftgen train {corpus} --out {out} --resume")
             raise TrainingInterrupted(out)
         if not world.main:
             return out
         model.eval()
+        # Scored as shipped: the published weights (the best ones with keep_best), at their stored precision.
+        model.load_state_dict(read_weights(out / WEIGHTS, model))
+        if options.keep_best:
+            reporter.log(f"keeping the weights of step {best['step']} (quick held-out {best['held_out_nats_per_char']:.4f} nats/char)")
         # Attention's KV cache grows with the stream (quadratic time to read it) and its RoPE positions
         # are untrained past the training length, so attention runs are scored in windows of that length.
         reset_every = config.context_length if config.mixer == "attention" else 0
         final = evaluate_text(model, tokenizer, held_out_text, reset_every=reset_every)
         info["final_eval"] = final.to_dict() | {"reset_every": reset_every}
-        save(elapsed)
+        state_info = info | {"step": step, "elapsed": elapsed, "best": best}
+        publish(state_info)
+        atomic_write(out / TRAINING_INFO, json.dumps(state_info, indent=2) + "\n")
         reporter.log(
             f"done: {step} steps in {elapsed:.0f} s; held-out {final.nats_per_char:.4f} nats/char "
             f"({final.bits_per_char:.4f} bits/char)"

@@ -44,6 +44,14 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
+def train_tiny(corpus: Path, out: Path, on_eval=None, **changes) -> Path:
+    """In-process training; vocabulary 400 on `corpus` reuses the tokenizer the tiny_run fixture cached."""
+    from aftgen.training import TrainOptions, train
+
+    options = dict(preset="tiny", vocab_size=400, max_steps=8, eval_interval=2, device="cpu") | changes
+    return train(TrainOptions(corpus=corpus, out=out, **options), quiet=True, on_eval=on_eval)
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, corpus) -> Path:
     """A tiny model trained for a few steps: enough to exercise every code path quickly."""

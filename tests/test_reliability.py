@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_corpus
+from conftest import make_corpus, train_tiny
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -29,7 +29,7 @@ from aftgen.checkpoint import CHECKPOINT_FILES, CONFIG, TOKENIZER, WEIGHTS, load
 from aftgen.cli import app
 from aftgen.errors import AftgenError
 from aftgen.model import MAX_PARAMETERS, AFTConfig
-from aftgen.training import TRAINING_INFO, TRAINING_STATE, TrainingInterrupted, TrainOptions, train
+from aftgen.training import TRAINING_INFO, TRAINING_STATE, TrainingInterrupted
 
 runner = CliRunner()
 SOURCE = Path(aftgen.__file__).parent
@@ -42,12 +42,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def train_tiny(corpus: Path, out: Path, on_eval=None, **changes) -> Path:
-    """In-process training; vocabulary 400 on `corpus` reuses the tokenizer the tiny_run fixture cached."""
-    options = dict(preset="tiny", vocab_size=400, max_steps=8, eval_interval=2, device="cpu") | changes
-    return train(TrainOptions(corpus=corpus, out=out, **options), quiet=True, on_eval=on_eval)
 
 
 def trained_step(out: Path) -> int:
@@ -306,6 +300,8 @@ OPTION_CASES = [
     (["--warmup-steps", "-1"], "--warmup-steps must not be negative"),
     (["--vocab-size", "10"], "at least 260"),
     (["--tokenizer-type", "wordpiece"], "unknown tokenizer type"),
+    (["--weights-dtype", "fp8"], "unknown --weights-dtype 'fp8'"),
+    (["--eval-windows", "0"], "--eval-windows must be positive"),
 ]
 
 
@@ -381,7 +377,7 @@ CHECKPOINT_CASES = {
     "misshapen tensor": (_retensor(lambda t: t | {"embed.weight": t["embed.weight"][:, :16].contiguous()}), "config.json needs"),
     "extra tensor": (_retensor(lambda t: t | {"lm_head.weight": t["embed.weight"].clone()}), "unexpected"),
     "missing tensor": (_retensor(lambda t: {k: v for k, v in t.items() if k != "ln_out.bias"}), "missing"),
-    "fp16 tensor": (_retensor(lambda t: t | {"ln_out.bias": t["ln_out.bias"].half()}), "torch.float16"),
+    "integer tensor": (_retensor(lambda t: t | {"ln_out.bias": t["ln_out.bias"].int()}), "torch.int32"),
     "NaN weights": (_retensor(lambda t: t | {"ln_out.bias": t["ln_out.bias"] * float("nan")}), "NaN or inf"),
     "config not JSON": (_write(CONFIG, b"{not json"), "not valid JSON"),
     "config not UTF-8": (_write(CONFIG, b"\xff\xfe{}"), "not valid JSON"),

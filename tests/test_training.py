@@ -1,0 +1,105 @@
+"""Training outputs: keeping the best weights, lower-precision weight files, the held-out check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import train_tiny
+from safetensors.torch import load_file
+
+from aftgen import training
+from aftgen.checkpoint import WEIGHTS, load_checkpoint
+from aftgen.model import AFTLM, AFTConfig
+from aftgen.training import TRAINING_INFO, TRAINING_STATE
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def scripted_held_out(monkeypatch, scores: list[float]) -> None:
+    """Make the quick held-out check return `scores` in turn (real training, chosen verdicts)."""
+    remaining = iter(scores)
+    monkeypatch.setattr(training, "_held_out_loss", lambda *args: next(remaining))
+
+
+def test_keep_best_publishes_the_best_scoring_weights(tmp_path, corpus, tiny_run, monkeypatch):
+    scores = [3.0, 2.0, 2.5, 2.6]  # evals at steps 2, 4, 6, 8: step 4 is best
+    options = dict(max_steps=8, eval_interval=2, dropout=0.1)
+
+    # The same run without keep_best: at the eval of step 6, model.safetensors still holds step 4.
+    step_4: dict[str, torch.Tensor] = {}
+
+    def grab(row: dict) -> None:
+        if row["step"] == 6:
+            step_4.update(load_file(tmp_path / "latest" / WEIGHTS))
+
+    scripted_held_out(monkeypatch, scores)
+    train_tiny(corpus, tmp_path / "latest", on_eval=grab, **options)
+    scripted_held_out(monkeypatch, scores)
+    out = train_tiny(corpus, tmp_path / "best", keep_best=True, **options)
+
+    info = json.loads((out / TRAINING_INFO).read_text())
+    assert info["best"]["step"] == 4 and info["step"] == 8
+    published = load_file(out / WEIGHTS)
+    latest = {k[len("model.") :]: v for k, v in load_file(out / TRAINING_STATE).items() if k.startswith("model.")}
+    assert published.keys() == step_4.keys()
+    for name in published:
+        torch.testing.assert_close(published[name], step_4[name], atol=0, rtol=0, msg=name)
+    assert any(not torch.equal(published[name], latest[name]) for name in published), "the latest weights were published"
+    # The final score in the card describes the published weights.
+    model, tokenizer = load_checkpoint(out)
+    from aftgen.data import read_text, split_text
+    from aftgen.evaluate import evaluate_text
+
+    score = evaluate_text(model, tokenizer, split_text(read_text(corpus))[1]).nats_per_char
+    assert info["final_eval"]["nats_per_char"] == pytest.approx(score, abs=1e-6)
+
+
+def test_keep_best_checks_the_last_step_and_survives_resume(tmp_path, corpus, tiny_run, monkeypatch):
+    # evals at 3 and 6, then the end (step 8) is checked too, and is best
+    scripted_held_out(monkeypatch, [3.0, 2.0, 1.0])
+    out = train_tiny(corpus, tmp_path / "run", keep_best=True, max_steps=8, eval_interval=3)
+    info = json.loads((out / TRAINING_INFO).read_text())
+    assert info["best"]["step"] == 8
+
+    # A resumed run remembers the best so far: a worse score later does not replace it.
+    scripted_held_out(monkeypatch, [5.0, 5.0])
+    before = load_file(out / WEIGHTS)
+    train_tiny(corpus, out, keep_best=True, max_steps=12, eval_interval=3, resume=True)
+    info = json.loads((out / TRAINING_INFO).read_text())
+    assert info["best"]["step"] == 8 and info["step"] == 12
+    after = load_file(out / WEIGHTS)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_fp16_weights_halve_the_file_and_load_as_fp32(tmp_path, corpus, tiny_run):
+    full = train_tiny(corpus, tmp_path / "fp32", max_steps=4)
+    half = train_tiny(corpus, tmp_path / "fp16", max_steps=4, weights_dtype="fp16")
+    stored = load_file(half / WEIGHTS)
+    assert {t.dtype for t in stored.values()} == {torch.float16}
+    assert (half / WEIGHTS).stat().st_size < 0.55 * (full / WEIGHTS).stat().st_size
+    model, _ = load_checkpoint(half)
+    reference = load_file(full / WEIGHTS)  # the same run at fp32
+    for name, tensor in model.state_dict().items():
+        assert tensor.dtype == torch.float32
+        torch.testing.assert_close(tensor, reference[name].half().float(), atol=0, rtol=0, msg=name)
+
+
+def test_held_out_check_over_many_windows_is_the_plain_mean(tmp_path):
+    torch.manual_seed(0)
+    model = AFTLM(AFTConfig(vocab_size=50, n_layer=1, n_embd=16, n_head=2, window=4, context_length=16))
+    ids = torch.randint(0, 50, (2000,))
+    length, windows = 16, 70  # more windows than one group of 32
+    stride = (len(ids) - length - 1) // windows
+    rows = torch.stack([ids[i * stride : i * stride + length + 1] for i in range(windows)])
+    with torch.no_grad():
+        expected = F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
+    assert training._held_out_loss(model, ids, length, windows) == pytest.approx(float(expected), rel=1e-5)
