@@ -160,14 +160,18 @@ class ChunkedAFT(torch.autograd.Function):
         q, v, blocks, out, current, previous, into, entry, carry = ctx.saved_tensors
         H, C, N1, B, D2 = blocks.shape
         N, D, width = N1 - 1, D2 // 2, B * D2
-        by_time = out.permute(3, 2, 1, 0, 4).reshape(B, N * C, H, D2)
+        # y = g num / den with g = sigmoid(q), in the strided (B, N, C, H, .) views of the sums, each
+        # gradient written once: d num = dy g / den, d den = -d num num / den, dq = d num num (1 - g).
+        by_time = out.permute(3, 2, 1, 0, 4)
         num, den = by_time[..., :D], by_time[..., D:]
-        gate = torch.sigmoid(q)
-        ratio = num / den
-        grad_q = grad_y * ratio * gate * (1 - gate)
-        grad_num = grad_y * gate / den
+        gate = torch.sigmoid(q).view(B, N, C, H, D)
         grad_out = torch.empty_like(out)
-        grad_out.permute(3, 2, 1, 0, 4).copy_(torch.cat([grad_num, -grad_num * ratio], dim=-1).view(B, N, C, H, D2))
+        grad_sums = grad_out.permute(3, 2, 1, 0, 4)
+        grad_num, grad_den = grad_sums[..., :D], grad_sums[..., D:]
+        torch.div(grad_y.reshape(B, N, C, H, D) * gate, den, out=grad_num)
+        scaled = torch.mul(grad_num, num, out=torch.empty_like(gate))  # in gate's (time-major) layout
+        torch.div(scaled, den, out=grad_den).neg_()
+        grad_q = torch.addcmul(scaled, scaled, gate, value=-1).view(B, N * C, H, D)
         G, flat = grad_out.view(H, C, N * width), blocks.view(H, C, N1 * width)
         grad_blocks = torch.bmm(current.transpose(1, 2), G)  # chunk n here is block n + 1
         grads = {"current": torch.bmm(G, flat[:, :, width:].transpose(1, 2))}
@@ -189,8 +193,11 @@ class ChunkedAFT(torch.autograd.Function):
             grads["carry"] = torch.bmm(grad_older, per_block.transpose(1, 2))
         gz = grad_blocks.view(H, C, N, B, D2).permute(3, 2, 1, 0, 4)  # (B, N, C, H, 2D)
         e = blocks[:, :, 1:].permute(3, 2, 1, 0, 4)[..., D:]
-        grad_v = (gz[..., :D] * e).reshape(B, N * C, H, D)
-        grad_k = ((gz[..., :D] * v.view(B, N, C, H, D) + gz[..., D:]) * e).reshape(B, N * C, H, D)
+        # Written into fresh (B, T, H, D) tensors: a product of these strided views would keep their
+        # layout and cost another pass to make contiguous. z = (e v, e): dv = dz_num e, dk = dv v + dz_den e.
+        grad_v = torch.mul(gz[..., :D], e, out=v.new_empty(B, N, C, H, D))
+        grad_k = torch.mul(gz[..., D:], e, out=v.new_empty(B, N, C, H, D)).addcmul_(grad_v, v.view(B, N, C, H, D))
+        grad_v, grad_k = grad_v.view(B, N * C, H, D), grad_k.view(B, N * C, H, D)
         return grad_q, grad_k, grad_v, *(grads.get(name) for name in ChunkedAFT.MATRICES)
 
 
