@@ -31,6 +31,17 @@ def make_corpus(chars: int, seed: int = 0) -> str:
     return "\n".join(lines)[:chars]
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models on a shared 2-core machine run fastest on one thread."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     os.environ["AFTGEN_CACHE"] = str(tmp_path_factory.mktemp("cache"))

@@ -35,13 +35,7 @@ runner = CliRunner()
 SOURCE = Path(aftgen.__file__).parent
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine run fastest on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def trained_step(out: Path) -> int:

@@ -15,13 +15,7 @@ from aftgen.checkpoint import WEIGHTS, load_checkpoint
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.training import TRAINING_INFO, TRAINING_STATE
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def scripted_held_out(monkeypatch, scores: list[float]) -> None:
