@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from aftgen.model import AFTLM, AFTConfig, StepFunction, clone_state, compile_step
+from aftgen.model import AFTLM, AFTConfig, PrefillFunction, StepFunction, clone_state, compile_prefill, compile_step
 from aftgen.sampling import PROMPT_CHUNK, Context, SamplingOptions, generate, new_generator
 
 Row = dict  # {"measure", "value", "unit", optional "context", "target", "ok"}
@@ -100,9 +100,9 @@ def step_timer(step: StepFunction, state, calls: int = TIMED_STEPS // 5) -> Time
     return (lambda: step(token, scratch)), calls, 1
 
 
-def prefill_timer(model: AFTLM, ids: torch.Tensor, state) -> Timer:
+def prefill_timer(prefill: PrefillFunction, ids: torch.Tensor, state) -> Timer:
     """Reading the chunk `ids` in the parallel form from `state` (left as it is)."""
-    return (lambda: model.prefill(ids, clone_state(state), last_only=True)), 1, ids.shape[1]
+    return (lambda: prefill(ids, clone_state(state), last_only=True)), 1, ids.shape[1]
 
 
 @torch.inference_mode()
@@ -127,6 +127,9 @@ def bench_generate(model: AFTLM, log=print) -> list[Row]:
     started = time.perf_counter()
     compiled, note = compile_step(model)
     warm_up = time.perf_counter() - started
+    started = time.perf_counter()
+    reader, reader_note = compile_prefill(model, PROMPT_CHUNK)
+    reader_warm_up = time.perf_counter() - started
 
     # Long contexts, reached by reading random tokens in the parallel form, chunk by chunk.
     ids = torch.randint(0, model.config.vocab_size, (1, PROMPT_CHUNK), generator=torch.Generator().manual_seed(0))
@@ -140,18 +143,21 @@ def bench_generate(model: AFTLM, log=print) -> list[Row]:
             "ceiling": products_timer(model, PROMPT_CHUNK),
             "eager": step_timer(model.step, states[CONTEXTS[0]]),
             **{context: step_timer(compiled, states[context]) for context in CONTEXTS},
-            "ingestion": prefill_timer(model, ids, states[CONTEXTS[-1]]),
+            "ingestion": prefill_timer(reader, ids, states[CONTEXTS[-1]]),
+            "ingestion, eager": prefill_timer(model.prefill, ids, states[CONTEXTS[-1]]),
         }
     )
     floor, ceiling, eager, latency = ms["floor"], ms["ceiling"], ms["eager"], {c: ms[c] for c in CONTEXTS}
     row("matvec floor", floor, "ms/token")
     row(f"matmul ceiling of ingestion ({PROMPT_CHUNK}-token chunks)", ceiling, "ms/token")
-    row("compile warm-up (once per process, not in latencies)", warm_up, "s", note=note)
+    row("compile warm-up of the step (once per process, not in latencies)", warm_up, "s", note=note)
+    row(f"compile warm-up of the {PROMPT_CHUNK}-token chunk reader (once per process)", reader_warm_up, "s", note=reader_note)
     row("step latency, eager (before fusion)", eager, "ms/token", context=CONTEXTS[0])
     for context in CONTEXTS:
         row("step latency" + ("" if compiled is not model.step else " (eager: no compiler)"), latency[context], "ms/token", context=context)
     ingest = 1e3 / ms["ingestion"]
-    row(f"prompt ingestion ({PROMPT_CHUNK}-token chunks)", ingest, "tokens/s")
+    row(f"prompt ingestion, eager (before fusion, {PROMPT_CHUNK}-token chunks)", 1e3 / ms["ingestion, eager"], "tokens/s")
+    row(f"prompt ingestion ({PROMPT_CHUNK}-token chunks" + (", compiled)" if reader is not model.prefill else ", eager: no compiler)"), ingest, "tokens/s")
 
     # Memory over a long real generation (sampling included), with the fast step.
     options = SamplingOptions(max_new_tokens=-1, temperature=0.8, seed=0)

@@ -254,10 +254,11 @@ def aft_parallel(
 
     if state is None:
         state = empty_state(B, H, D, s, device)
-    position = int(state["position"])
     # The state's window is a ring buffer (token g lives in slot g mod s): unroll it to time order.
-    win_k = state["window_k"].roll(-position % s if s else 0, dims=1)
-    win_v = state["window_v"].roll(-position % s if s else 0, dims=1)
+    # Positions stay tensors, so reading a chunk never waits on the host and compiles to one graph.
+    position, slots = state["position"], torch.arange(s, device=device)
+    time_order = (slots + position) % s
+    win_k, win_v = state["window_k"].index_select(1, time_order), state["window_v"].index_select(1, time_order)
     mats = block_weights(w, decay, C, N, history=True)
     lam, i = decay[:, None], torch.arange(C, device=device)
     mats["into_first"] = torch.exp(-lam * (i + 1))[:, :, None]  # the state's prefix seen from chunk 0
@@ -278,16 +279,17 @@ def aft_parallel(
     history = prefix0.view(H, B, 2 * D).transpose(0, 1)
     final = torch.einsum("hjn,hjnbd->bhd", fold, blocks) + torch.exp(-decay * T)[None, :, None] * history
     new_position = position + T
+    ring_order = (slots - new_position) % s
     newest = max(T - s, 0)  # the last s keys and values, from the window and the new tokens
     keys = torch.cat([win_k, k[:, newest:T]], dim=1)[:, T - newest :]
     values = torch.cat([win_v, v[:, newest:T]], dim=1)[:, T - newest :]
     new_state = {
-        "window_k": keys.roll(new_position % s if s else 0, dims=1),
-        "window_v": values.roll(new_position % s if s else 0, dims=1),
+        "window_k": keys.index_select(1, ring_order),
+        "window_v": values.index_select(1, ring_order),
         "prefix_num": final[..., :D].contiguous(),
         "prefix_den": final[..., D:].contiguous(),
         "prefix_max": torch.zeros_like(final[..., :D]),
-        "position": torch.tensor(new_position, device=device),
+        "position": new_position,
     }
     return y, new_state
 

@@ -208,21 +208,42 @@ def clone_state(state: ModelState, repeat: int = 1) -> ModelState:
 
 
 StepFunction = Callable[[torch.Tensor, ModelState], tuple[torch.Tensor, ModelState]]
+PrefillFunction = Callable[..., tuple[torch.Tensor, ModelState]]
+
+
+def _compiled(function: Callable, warm_up: Callable[[Callable], object]) -> tuple[Callable, str]:
+    """`function` through torch.compile, warmed up by `warm_up(compiled)`; `function` itself where no compiler works.
+
+    Eager PyTorch spends much of a small model's time in per-op overhead and separate pointwise
+    passes; inductor fuses that work into a few C++ kernels around the matrix products. The compile
+    (tens of seconds the first time, a few once PyTorch's on-disk cache holds it) is paid here, on
+    scratch inputs, so it never lands inside a generation. Returns the function and a note of what happened.
+    """
+    start = time.perf_counter()
+    compiled = torch.compile(function, fullgraph=True, dynamic=False)
+    try:
+        with torch.inference_mode():  # the mode generation runs in: compiled graphs are specific to it
+            warm_up(compiled)
+    except Exception as exc:  # no C++ compiler, a mixer that cannot be traced, ...: eager still works
+        return function, f"eager (torch.compile failed: {type(exc).__name__})"
+    return compiled, f"compiled in {time.perf_counter() - start:.1f} s"
 
 
 def compile_step(model: AFTLM, batch_size: int = 1) -> tuple[StepFunction, str]:
-    """`model.step` compiled by torch.compile and warmed up; plain `model.step` where no compiler works.
+    """`model.step` compiled for `batch_size` sequences (see _compiled), and a note of what happened."""
+    device = model.embed.weight.device
+    return _compiled(model.step, lambda step: step(torch.zeros(batch_size, dtype=torch.long, device=device), model.initial_state(batch_size)))
 
-    Eager PyTorch spends most of a small model's step in per-op overhead; inductor fuses the step's
-    pointwise work into a few C++ kernels around the matrix-vector products. The compile (tens of
-    seconds the first time, a few once PyTorch's on-disk cache holds it) is paid here, on a scratch
-    state, so it never lands inside a generation. Returns the step and a note of what happened.
-    """
-    start = time.perf_counter()
-    step = torch.compile(model.step, fullgraph=True, dynamic=False)
-    try:
-        with torch.inference_mode():  # the mode generation runs in: compiled graphs are specific to it
-            step(torch.zeros(batch_size, dtype=torch.long, device=model.embed.weight.device), model.initial_state(batch_size))
-    except Exception as exc:  # no C++ compiler, a mixer that cannot be traced, ...: eager still works
-        return model.step, f"eager (torch.compile failed: {type(exc).__name__})"
-    return step, f"compiled in {time.perf_counter() - start:.1f} s"
+
+def compile_prefill(model: AFTLM, length: int) -> tuple[PrefillFunction, str]:
+    """`model.prefill` compiled for chunks of exactly `length` tokens at batch 1 continuing a state
+    (how long texts are read), and a note of what happened. Use `model.prefill` for other shapes:
+    each new shape would compile anew."""
+    device = model.embed.weight.device
+    ids = torch.zeros(1, length, dtype=torch.long, device=device)
+
+    def warm_up(prefill: Callable) -> None:
+        _, state = model.prefill(ids, model.initial_state(1), last_only=True)  # a state like every later one
+        prefill(ids, state, last_only=True)
+
+    return _compiled(model.prefill, warm_up)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aftgen.errors import AftgenError
-from aftgen.model import AFTLM, ModelState, StepFunction, clone_state
+from aftgen.model import AFTLM, ModelState, PrefillFunction, StepFunction, clone_state
 from aftgen.tokenizer import Tokenizer
 
 MAX_REPEAT_LAST_N = 1024  # a context keeps this many recent tokens for the repeat penalty, so its size is fixed
@@ -145,12 +145,18 @@ def new_generator(seed: int | None) -> torch.Generator:
 
 @torch.inference_mode()
 def read_prompt(
-    model: AFTLM, tokenizer: Tokenizer, prompt: str, context: Context | None = None, seed: int | None = None
+    model: AFTLM,
+    tokenizer: Tokenizer,
+    prompt: str,
+    context: Context | None = None,
+    seed: int | None = None,
+    prefill: PrefillFunction | None = None,
 ) -> Context:
     """Read text into a context in the parallel form, PROMPT_CHUNK tokens at a time (constant memory).
 
     A fresh context starts with BOS and a generator seeded with `seed` (random if None); a continued
-    one keeps its own generator unless a seed is given.
+    one keeps its own generator unless a seed is given. `prefill` (from compile_prefill) reads the
+    whole chunks, `model.prefill` the rest.
     """
     ids = ([] if context is not None else [tokenizer.bos_id]) + tokenizer.encode(prompt)
     if context is None:
@@ -161,7 +167,9 @@ def read_prompt(
         return context
     ids_tensor = torch.tensor([ids])
     for start in range(0, len(ids), PROMPT_CHUNK):
-        logits, context.state = model.prefill(ids_tensor[:, start : start + PROMPT_CHUNK], context.state, last_only=True)
+        chunk = ids_tensor[:, start : start + PROMPT_CHUNK]
+        read = prefill if prefill is not None and chunk.shape[1] == PROMPT_CHUNK else model.prefill
+        logits, context.state = read(chunk, context.state, last_only=True)
     context.logits = logits[:, -1].float()
     context.remember(ids_tensor[:, -MAX_REPEAT_LAST_N:])
     context.pending = b""  # a character left unfinished before this text is abandoned

@@ -259,3 +259,37 @@ def test_chat_ctrl_c_stops_the_reply_and_ctrl_d_exits(tiny_run):
     finally:
         chat.kill()
     assert b"".join(out).decode("utf-8").strip()
+
+
+def test_compiled_chunk_reader_reads_a_long_prompt_as_eager_does(tiny_run, monkeypatch):
+    """prime --compile's reader: whole chunks through the compiled prefill, the rest eager, the same state."""
+    from aftgen.model import compile_prefill
+
+    monkeypatch.setattr(sampling, "PROMPT_CHUNK", 64)
+    model, tokenizer = load(str(tiny_run))
+    text = "KING: good night sweet lady, the crown is fair. " * 30  # several whole chunks and a remainder
+    assert len(tokenizer.encode(text)) > 3 * 64
+    reader, note = compile_prefill(model, 64)
+    assert reader is not model.prefill, note
+    eager = read_prompt(model, tokenizer, text, seed=0)
+    compiled = read_prompt(model, tokenizer, text, seed=0, prefill=reader)
+    torch.testing.assert_close(compiled.logits, eager.logits, atol=1e-4, rtol=1e-4)
+    for fast, slow in zip(compiled.state, eager.state, strict=True):
+        assert fast.keys() == slow.keys()
+        for name in fast:
+            torch.testing.assert_close(fast[name], slow[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_chunk_reader_falls_back_to_eager_where_compiling_fails(tiny_run, monkeypatch):
+    from aftgen.model import compile_prefill
+
+    def no_compiler(function, **options):
+        def fails(*args, **kwargs):
+            raise RuntimeError("no C++ compiler found")
+
+        return fails
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    model, _ = load(str(tiny_run))
+    reader, note = compile_prefill(model, 16)
+    assert reader == model.prefill and note.startswith("eager (torch.compile failed: RuntimeError")
