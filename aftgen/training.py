@@ -465,8 +465,14 @@ def _train(
             best = {"step": step, "held_out_nats_per_char": held_out}
             return True
 
+        def run_info(elapsed: float) -> dict:
+            return info | {"step": step, "elapsed": elapsed, "best": best}
+
         def publish(state_info: dict) -> None:
             save_checkpoint(out, model, tokenizer, model_card(config, state_info, metrics), options.weights_dtype)
+
+        def write_info(state_info: dict) -> None:
+            atomic_write(out / TRAINING_INFO, json.dumps(state_info, indent=2) + "\n")
 
         def save(elapsed: float, improved: bool = False) -> None:
             nonlocal saved_step
@@ -474,12 +480,12 @@ def _train(
                 return
             if not all(torch.isfinite(p).all() for p in model.parameters()):  # never replace good weights with broken ones
                 raise diverged("the weights", step)
-            state_info = info | {"step": step, "elapsed": elapsed, "best": best}
+            state_info = run_info(elapsed)
             # The training state first (it alone is enough to resume), the marker training.json last.
             _save_training_state(out, model, optimizer, generator, state_info)
             if improved or not options.keep_best or not is_checkpoint(out):
                 publish(state_info)
-            atomic_write(out / TRAINING_INFO, json.dumps(state_info, indent=2) + "\n")
+            write_info(state_info)
             saved_step = step
 
         def progress_of(elapsed: float) -> float:
@@ -576,9 +582,9 @@ def _train(
         reset_every = config.context_length if config.mixer == "attention" else 0
         final = evaluate_text(model, tokenizer, held_out_text, reset_every=reset_every)
         info["final_eval"] = final.to_dict() | {"reset_every": reset_every}
-        state_info = info | {"step": step, "elapsed": elapsed, "best": best}
+        state_info = run_info(elapsed)
         publish(state_info)
-        atomic_write(out / TRAINING_INFO, json.dumps(state_info, indent=2) + "\n")
+        write_info(state_info)
         reporter.log(
             f"done: {step} steps in {elapsed:.0f} s; held-out {final.nats_per_char:.4f} nats/char "
             f"({final.bits_per_char:.4f} bits/char)"
