@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -181,7 +182,9 @@ def bench_generate(model: AFTLM, log=print) -> list[Row]:
 
     first, last = latency[CONTEXTS[0]], latency[CONTEXTS[-1]]
     growth = memory[GENERATED[-1]][1] - memory[GENERATED[0]][1]
-    step = latency[CONTEXTS[0]]
+    # The step's cost does not depend on the context, so the ratios take the median of its four
+    # timings: one context's timing alone can be off by a fifth on a shared machine.
+    step = statistics.median(latency.values())
     for measure, value, unit, target, ok in (
         ("latency after 100k / after 1k", last / first, "x", "<= 1.10", last / first <= 1.10),
         ("peak memory growth, 1k -> 100k generated", growth, "MB", "<= 5", growth <= 5),
@@ -306,21 +309,36 @@ def _with_ratios(rows: list[Row]) -> list[Row]:
     return rows
 
 
-def bench_train(mixers: tuple[str, ...], repeats: int = 3, log=print) -> list[Row]:
-    """Training-step tokens/s and peak memory, and the mixer alone, per mixer and length."""
+def bench_train(mixers: tuple[str, ...], repeats: int = 3, rounds: int = 2, log=print) -> list[Row]:
+    """Training-step tokens/s and peak memory, and the mixer alone, per mixer and length.
+
+    Every configuration is probed `rounds` times, the rounds going over all of them in turn, and the
+    fastest round counts: a slow spell of a shared machine then cannot sink one mixer's figure alone.
+    """
+    fastest: dict[tuple[str, str, int], dict] = {}
+    for round_number in range(1, rounds + 1):
+        for length in TRAIN_LENGTHS:
+            for mixer in mixers:
+                for kind in ("train", "mixer"):
+                    got = _probe_in_subprocess(kind, mixer, length, repeats)
+                    best = fastest.setdefault((kind, mixer, length), got)
+                    if got["seconds"] < best["seconds"]:
+                        fastest[kind, mixer, length] = got
+                train, alone = fastest["train", mixer, length], fastest["mixer", mixer, length]
+                log(
+                    f"  round {round_number}/{rounds}, T={length} {mixer}: train step {train['tokens_per_s']:,.1f} tokens/s, "
+                    f"peak memory {train['peak_mb']:,.1f} MB; mixer fwd+bwd {alone['seconds'] * 1e3:,.1f} ms, "
+                    f"peak memory {alone['peak_mb']:,.1f} MB (fastest so far)"
+                )
     rows: list[Row] = []
-    for length in TRAIN_LENGTHS:
-        for mixer in mixers:
-            for kind in ("train", "mixer"):
-                got = _probe_in_subprocess(kind, mixer, length, repeats)
-                where = {"mixer": mixer, "length": length, "batch": got["batch"]}
-                if kind == "train":
-                    rows.append({"measure": "train step", "value": round(got["tokens_per_s"], 1), "unit": "tokens/s", **where})
-                    rows.append({"measure": "train peak memory", "value": round(got["peak_mb"], 1), "unit": "MB", **where})
-                else:
-                    rows.append({"measure": "mixer fwd+bwd", "value": round(got["seconds"] * 1e3, 2), "unit": "ms", **where})
-                    rows.append({"measure": "mixer peak memory", "value": round(got["peak_mb"], 1), "unit": "MB", **where})
-            log(f"  T={length} {mixer}: " + ", ".join(f"{r['measure']} {r['value']:,.1f} {r['unit']}" for r in rows[-4:]))
+    for (kind, mixer, length), got in fastest.items():
+        where = {"mixer": mixer, "length": length, "batch": got["batch"]}
+        if kind == "train":
+            rows.append({"measure": "train step", "value": round(got["tokens_per_s"], 1), "unit": "tokens/s", **where})
+            rows.append({"measure": "train peak memory", "value": round(got["peak_mb"], 1), "unit": "MB", **where})
+        else:
+            rows.append({"measure": "mixer fwd+bwd", "value": round(got["seconds"] * 1e3, 2), "unit": "ms", **where})
+            rows.append({"measure": "mixer peak memory", "value": round(got["peak_mb"], 1), "unit": "MB", **where})
     return _with_ratios(rows)
 
 

@@ -507,7 +507,7 @@ def bench_all(corpus: Corpus = None, quality_time: QualityTime = 40.0, as_json: 
     _check_plot(plot)
     _threads()
     _progress(f"bench: {', '.join(MIXERS)}; {torch_threads()} threads; ratios against attention")
-    rows = bench_train(MIXERS, repeats=2, log=_progress) + bench_decode(repeats=50, log=_progress)
+    rows = bench_train(MIXERS, repeats=2, rounds=2, log=_progress) + bench_decode(repeats=50, log=_progress)
     if corpus is None:
         _progress("quality rows left out: pass --corpus FILE (e.g. Tiny Shakespeare)")
     else:
@@ -518,7 +518,8 @@ def bench_all(corpus: Corpus = None, quality_time: QualityTime = 40.0, as_json: 
 @bench_app.command("train")
 @command
 def bench_train_command(
-    repeats: Annotated[int, typer.Option(help="Timed steps per configuration (the fastest counts).")] = 3,
+    repeats: Annotated[int, typer.Option(help="Timed steps per configuration and round (the fastest counts).")] = 3,
+    rounds: Annotated[int, typer.Option(help="Rounds over all configurations in turn (the fastest round counts).")] = 3,
     as_json: AsJson = False,
     plot: PlotFile = None,
 ) -> None:
@@ -526,11 +527,12 @@ def bench_train_command(
     from aftgen.bench import bench_train
     from aftgen.model import MIXERS
 
-    if repeats < 1:
-        raise AftgenError(f"--repeats must be >= 1, got {repeats}")
+    for name, value in (("--repeats", repeats), ("--rounds", rounds)):
+        if value < 1:
+            raise AftgenError(f"{name} must be >= 1, got {value}")
     _check_plot(plot)
     _threads()
-    _report(bench_train(MIXERS, repeats, log=_progress), as_json, plot)
+    _report(bench_train(MIXERS, repeats, rounds, log=_progress), as_json, plot)
 
 
 @bench_app.command("decode")

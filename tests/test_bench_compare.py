@@ -31,6 +31,30 @@ def test_ratios_are_against_attention_at_the_same_length_and_targets_read_them()
     assert not any("T=256" in name for name in targets)  # no row, no verdict
 
 
+def test_bench_train_takes_turns_over_all_configurations_and_keeps_each_ones_fastest_round(monkeypatch):
+    import aftgen.bench
+
+    calls = []
+
+    def fake_probe(kind, mixer, length, repeats):
+        calls.append((kind, mixer, length))
+        round_number = calls.count((kind, mixer, length))
+        # aft_local is slowed in round 1 (a busy spell), attention in round 2
+        slow = (mixer == "aft_local") == (round_number == 1)
+        seconds = 2.0 if slow else 1.0
+        return {"seconds": seconds, "tokens_per_s": 4096 / seconds, "peak_mb": 10.0 * round_number, "batch": 4096 // length}
+
+    monkeypatch.setattr(aftgen.bench, "_probe_in_subprocess", fake_probe)
+    rows = aftgen.bench.bench_train(("aft_local", "attention"), repeats=1, rounds=2, log=lambda _: None)
+    per_round = len(aftgen.bench.TRAIN_LENGTHS) * 2 * 2
+    assert len(calls) == 2 * per_round and calls[:per_round] == calls[per_round:]  # whole rounds, in turn
+    steps = [r for r in rows if r["measure"] == "train step"]
+    assert {r["value"] for r in steps} == {4096.0}  # each mixer's undisturbed round
+    assert all(r["vs_attention"] == 1.0 for r in steps)
+    memory = {(r["mixer"], r["length"]): r["value"] for r in rows if r["measure"] == "train peak memory"}
+    assert all(memory[m, length] == (20.0 if m == "aft_local" else 10.0) for m, length in memory)  # from that round
+
+
 def test_bench_quality_refuses_a_missing_corpus_in_one_line(tmp_path):
     result = CliRunner().invoke(app, ["bench", "quality", str(tmp_path / "nope.txt"), "--time", "1"])
     assert result.exit_code == 2
