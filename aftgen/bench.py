@@ -28,6 +28,7 @@ Row = dict  # {"measure", "value", "unit", optional "context", "target", "ok"}
 CONTEXTS = (1_000, 8_000, 32_000, 100_000)
 GENERATED = (1_000, 100_000)  # generated-token counts at which memory is compared
 TIMED_STEPS = 300
+WARM_UP_STEPS = 2  # untimed steps per probe: the first few run slower while the allocator's pools grow
 
 
 def random_model(preset: str = "small", vocab_size: int = 1024, seed: int = 0) -> AFTLM:
@@ -278,7 +279,8 @@ def probe(kind: str, mixer: str, length: int, repeats: int, threads: int) -> dic
             y.backward(grad)
 
     resting, _ = memory_mb()
-    run()  # warm-up: first-call allocations and the optimiser's moments
+    for _ in range(WARM_UP_STEPS):  # first-call allocations, the optimiser's moments, the allocator's pools
+        run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
