@@ -507,7 +507,7 @@ def bench_all(corpus: Corpus = None, quality_time: QualityTime = 40.0, as_json: 
     _check_plot(plot)
     _threads()
     _progress(f"bench: {', '.join(MIXERS)}; {torch_threads()} threads; ratios against attention")
-    rows = bench_train(MIXERS, repeats=2, rounds=2, log=_progress) + bench_decode(repeats=50, log=_progress)
+    rows = bench_train(MIXERS, repeats=1, rounds=2, log=_progress) + bench_decode(repeats=50, log=_progress)
     if corpus is None:
         _progress("quality rows left out: pass --corpus FILE (e.g. Tiny Shakespeare)")
     else:
