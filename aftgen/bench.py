@@ -76,20 +76,21 @@ def fastest_side_by_side(timers: dict[str, Timer], rounds: int = 7) -> dict[str,
 
 
 def products_timer(model: AFTLM, tokens: int = 1) -> Timer:
-    """The model's own matrix products alone, for `tokens` tokens at once.
+    """The model's own matrix products alone, as reading `tokens` tokens at once needs them.
 
     One token: the matrix-vector products of a step, every Linear plus the tied output layer, bound
     by memory bandwidth (the floor of per-token latency). A chunk: the matrix-matrix products of
-    reading a prompt, bound by arithmetic, with the output layer for the last token only (the
-    ceiling of prompt ingestion).
+    reading a prompt, bound by arithmetic (the ceiling of prompt ingestion); as in AFTLM.prefill,
+    the last block's mixer output and MLP, and the output layer, run for the last token alone.
     """
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {lin.in_features: torch.randn(tokens, lin.in_features) for lin in linears}
+    last_block = set(model.blocks[-1].modules()) - {model.blocks[-1].mixer.qkv}
+    linears = [(m, 1 if m in last_block else tokens) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {(rows, lin.in_features): torch.randn(rows, lin.in_features) for lin, rows in linears}
     hidden = torch.randn(1, model.config.n_embd)
 
     def products() -> None:
-        for lin in linears:
-            F.linear(inputs[lin.in_features], lin.weight, lin.bias)
+        for lin, rows in linears:
+            F.linear(inputs[rows, lin.in_features], lin.weight, lin.bias)
         F.linear(hidden, model.embed.weight)
 
     return products, max(1, TIMED_STEPS // 5 // tokens), tokens

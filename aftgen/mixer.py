@@ -215,6 +215,7 @@ def aft_parallel(
     chunk: int = 32,
     state: MixerState | None = None,
     return_state: bool = False,
+    last_only: bool = False,
 ) -> tuple[torch.Tensor, MixerState | None]:
     """Causal AFT-local over a whole sequence in O(T C D) time and O(T D) memory.
 
@@ -230,6 +231,8 @@ def aft_parallel(
 
     With `state`, the sequence continues from it (its window and prefix), and with `return_state`
     the state after the last token is returned, so long streams can be read chunk by chunk.
+    `last_only` gives y for the last token alone (B, 1, H, D), read from that state: reading a
+    prompt needs no other, and skipping the chunk sums leaves only the fold into the state.
     """
     B, T, H, D = k.shape
     s = w.shape[1]
@@ -242,7 +245,7 @@ def aft_parallel(
         pad = (0, 0, 0, 0, 0, N * C - T)
         q, k, v = F.pad(q, pad), F.pad(k, pad, value=EMPTY_KEY), F.pad(v, pad)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w, decay))
-    if state is None and not return_state:
+    if state is None and not return_state and not last_only:
         mats = block_weights(w, decay, C, N, history=False)
         if needs_grad:
             y = ChunkedAFT.apply(q, k, v, *(mats.get(name) for name in ChunkedAFT.MATRICES))
@@ -259,17 +262,19 @@ def aft_parallel(
     position, slots = state["position"], torch.arange(s, device=device)
     time_order = (slots + position) % s
     win_k, win_v = state["window_k"].index_select(1, time_order), state["window_v"].index_select(1, time_order)
-    mats = block_weights(w, decay, C, N, history=True)
-    lam, i = decay[:, None], torch.arange(C, device=device)
-    mats["into_first"] = torch.exp(-lam * (i + 1))[:, :, None]  # the state's prefix seen from chunk 0
-    if N > 1:
-        mats["from_start"] = torch.exp(-lam * (torch.arange(N - 1, device=device) * C + s))[:, :, None]
     prefix0 = torch.cat([state["prefix_num"], state["prefix_den"]], dim=-1) * torch.exp(state["prefix_max"]).repeat(1, 1, 2)
     prefix0 = prefix0.transpose(0, 1).reshape(H, B * 2 * D)
     blocks = to_blocks(k, v, C, (win_k, win_v))
-    y = readout(q, mix_blocks(blocks, mats, prefix0))[:, :T]
-    if not return_state:
-        return y, None
+    i = torch.arange(C, device=device)
+    if not last_only:
+        mats = block_weights(w, decay, C, N, history=True)
+        lam = decay[:, None]
+        mats["into_first"] = torch.exp(-lam * (i + 1))[:, :, None]  # the state's prefix seen from chunk 0
+        if N > 1:
+            mats["from_start"] = torch.exp(-lam * (torch.arange(N - 1, device=device) * C + s))[:, :, None]
+        y = readout(q, mix_blocks(blocks, mats, prefix0))[:, :T]
+        if not return_state:
+            return y, None
 
     # The prefix after the last token: every token older than the new window, decayed to time T.
     time = (torch.arange(N + 1, device=device)[None, :] - 1) * C + i[:, None]  # of each block row (C, N + 1)
@@ -291,7 +296,9 @@ def aft_parallel(
         "prefix_max": torch.zeros_like(final[..., :D]),
         "position": new_position,
     }
-    return y, new_state
+    if last_only:
+        y = latest_output(q[:, T - 1], w, new_state, new_position - 1)[:, None]
+    return y, new_state if return_state else None
 
 
 def aft_step(
@@ -333,7 +340,22 @@ def aft_step(
     if s:
         win_k.index_copy_(1, slot, k[:, None])
         win_v.index_copy_(1, slot, v[:, None])
-        distance = (position - torch.arange(s, device=k.device)) % s  # of each slot's token
+    y = latest_output(q, w, state, position)
+    position.add_(1)
+    return y
+
+
+def latest_output(q: torch.Tensor, w: torch.Tensor, state: MixerState, newest: torch.Tensor) -> torch.Tensor:
+    """y of the newest token (at position `newest`, q (B, H, D)), read from a state that already holds it.
+
+    Its window holds the last s tokens, weighted exp(k + w[distance]); its prefix, everything older,
+    already decayed to this token. Max-stabilised, like the prefix itself.
+    """
+    s = w.shape[1]
+    a, b, p = state["prefix_num"], state["prefix_den"], state["prefix_max"]
+    if s:
+        win_k, win_v = state["window_k"], state["window_v"]
+        distance = (newest - torch.arange(s, device=q.device)) % s  # of each slot's token
         scores = win_k + w[:, distance].T[None, :, :, None]  # (B, s, H, D)
         top = torch.maximum(p, scores.amax(dim=1))
         window_scale = torch.exp(scores - top[:, None])
@@ -342,7 +364,6 @@ def aft_step(
         den = b * prefix_scale + window_scale.sum(dim=1)
     else:
         num, den = a, b
-    position.add_(1)
     return torch.sigmoid(q) * num / den
 
 
@@ -391,11 +412,11 @@ class AFTLocalMixer(torch.nn.Module):
         return empty_state(batch_size, self.n_head, self.head_dim, self.w.shape[1], device)
 
     def forward(
-        self, x: torch.Tensor, state: MixerState | None = None, return_state: bool = False
+        self, x: torch.Tensor, state: MixerState | None = None, return_state: bool = False, last_only: bool = False
     ) -> tuple[torch.Tensor, MixerState | None]:
         q, k, v = self._qkv(x)
         with full_precision(x.device):
-            y, state = aft_parallel(q, k, v, soft_cap(self.w), self.decay(), self.chunk, state, return_state)
+            y, state = aft_parallel(q, k, v, soft_cap(self.w), self.decay(), self.chunk, state, return_state, last_only)
         return self.proj(y.to(x.dtype).flatten(-2)), state
 
     def step(self, x: torch.Tensor, state: MixerState) -> torch.Tensor:
@@ -463,11 +484,11 @@ class AttentionMixer(torch.nn.Module):
         return empty_cache(batch_size, self.n_head, self.head_dim, device)
 
     def forward(
-        self, x: torch.Tensor, state: MixerState | None = None, return_state: bool = False
+        self, x: torch.Tensor, state: MixerState | None = None, return_state: bool = False, last_only: bool = False
     ) -> tuple[torch.Tensor, MixerState | None]:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        if state is None and not return_state:  # training: one causal pass, nothing kept
+        if state is None and not return_state and not last_only:  # training: one causal pass, nothing kept
             y = F.scaled_dot_product_attention(rotary(q, 0), rotary(k, 0), v, is_causal=True)
             return self.proj(y.transpose(1, 2).reshape(B, T, -1)), None
         if state is None:
@@ -475,12 +496,13 @@ class AttentionMixer(torch.nn.Module):
         start = int(state["position"])
         keys, values = append_to_cache(state, rotary(k, start), v)
         # Query i (at position start + i) sees every cached token and the new ones up to itself; a
-        # single new token sees everything, so it needs no mask (and torch keeps its fastest kernel).
+        # single query, the last, sees everything, so it needs no mask (and torch keeps its fastest kernel).
+        queries = 1 if last_only else T
         mask = None
-        if T > 1:
+        if queries > 1:
             mask = torch.arange(start + T, device=x.device)[None, :] <= start + torch.arange(T, device=x.device)[:, None]
-        y = F.scaled_dot_product_attention(rotary(q, start), keys, values, attn_mask=mask)
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1)), state
+        y = F.scaled_dot_product_attention(rotary(q[:, :, T - queries :], start + T - queries), keys, values, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, queries, -1)), state
 
     def step(self, x: torch.Tensor, state: MixerState) -> torch.Tensor:
         y, _ = self.forward(x[:, None], state, return_state=True)

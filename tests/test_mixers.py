@@ -48,16 +48,21 @@ def test_prefill_then_step_equals_parallel(mixer):
     assert (stepped - full[:, 97:]).abs().max() <= 1e-4
 
 
-def test_prefill_last_only_gives_the_last_logits_and_the_same_state():
-    model = tiny_model("aft_local")
-    ids = token_ids((2, 40), 3)
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_prefill_last_only_gives_the_last_logits_and_the_same_state(mixer):
+    # The last block computes its output for the last token alone (from the state, for AFT), so
+    # check it from an empty state and continuing one, over chunks longer and shorter than the window.
+    model = tiny_model(mixer)
+    ids = token_ids((2, 115), 3)
+    every_state, last_state = None, None
     with torch.inference_mode():
-        every, state = model.prefill(ids)
-        last, same_state = model.prefill(ids, last_only=True)
-    assert last.shape == (2, 1, 50)
-    assert (last - every[:, -1:]).abs().max() <= 1e-6
-    for layer, same in zip(state, same_state, strict=True):
-        assert all(torch.equal(layer[name], same[name]) for name in layer)
+        for lo, hi in ((0, 40), (40, 45), (45, 115)):
+            every, every_state = model.prefill(ids[:, lo:hi], every_state)
+            last, last_state = model.prefill(ids[:, lo:hi], last_state, last_only=True)
+            assert last.shape == (2, 1, 50)
+            assert (last - every[:, -1:]).abs().max() <= 1e-4
+            for layer, same in zip(every_state, last_state, strict=True):
+                assert all(torch.equal(layer[name], same[name]) for name in layer)
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
