@@ -90,9 +90,11 @@ def main(
 
 
 def _threads(threads: int | None = None) -> None:
-    """Set torch's CPU threads; called before any torch work, since torch fixes them on first use."""
-    from aftgen.device import set_threads
+    """Set torch's CPU threads and keep freed memory for reuse; called before any torch work, since
+    torch fixes its threads on first use."""
+    from aftgen.device import reuse_freed_memory, set_threads
 
+    reuse_freed_memory()
     set_threads(threads)
 
 

@@ -544,3 +544,36 @@ def test_atomic_writes_get_the_permissions_a_plain_open_would(tmp_path):
         assert (tmp_path / "new.json").stat().st_mode & 0o777 == 0o640
     finally:
         os.umask(umask)
+
+
+
+READ_CHUNKS = """
+import json, resource, sys, torch
+from aftgen.bench import memory_mb
+from aftgen.device import reuse_freed_memory
+from aftgen.model import AFTLM, AFTConfig
+if sys.argv[1] == "reuse":
+    assert reuse_freed_memory()
+torch.manual_seed(0)
+model = AFTLM(AFTConfig(vocab_size=256, n_layer=2, n_embd=64, n_head=2, window=16, context_length=64)).eval()
+ids, state, faults = torch.randint(0, 256, (1, 1024)), model.initial_state(1), []
+with torch.inference_mode():
+    for _ in range(12):  # 1024-token chunks, as prompts are read: megabytes of intermediates each
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        _, state = model.prefill(ids, state, last_only=True)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"faults": sum(faults[4:]), "peak": memory_mb()[1]}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION"), reason="glibc only")
+def test_reading_chunks_reuses_freed_memory_instead_of_faulting_in_fresh_pages():
+    def read(mode: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", READ_CHUNKS, mode], capture_output=True, text=True, check=True)
+        return json.loads(done.stdout)
+
+    default, reuse = read("default"), read("reuse")
+    if default["faults"] < 1000:
+        pytest.skip(f"this allocator already reuses freed memory ({default['faults']} page faults in 8 chunks)")
+    assert reuse["faults"] < default["faults"] // 20
+    assert reuse["peak"] <= default["peak"] + 16  # MB: kept memory is reused, not piled up
