@@ -29,6 +29,9 @@ CONTEXTS = (1_000, 8_000, 32_000, 100_000)
 GENERATED = (1_000, 100_000)  # generated-token counts at which memory is compared
 STRETCH = 500  # generated tokens per timing of the generation loop
 TIMED_STEPS = 300
+# bench generate: many short rounds rather than a few long ones. The machine's slow spells last
+# seconds; spread over a hundred rounds, every timer also runs in its quiet stretches.
+GENERATE_ROUNDS, CALLS_PER_ROUND = 100, 10
 WARM_UP_STEPS = 2  # untimed steps per probe: the first few run slower while the allocator's pools grow
 
 
@@ -62,13 +65,15 @@ def fastest_side_by_side(timers: dict[str, Timer], rounds: int = 7) -> dict[str,
 
     The fastest, not the median: other processes only ever add time. Taking turns: a slow spell of a
     shared machine then hits both sides of a ratio (floor and step, 1k and 100k) instead of one.
+    Each turn starts with an untimed call: the first call after another timer's (say, the compiled
+    step after the eager one) runs slow on what that one left in the caches, which back-to-back
+    generation never sees.
     """
     best = dict.fromkeys(timers, math.inf)
     with torch.inference_mode():
-        for run, _, _ in timers.values():
-            run()  # warm-up: first-call allocations
         for _ in range(rounds):
             for name, (run, calls, tokens) in timers.items():
+                run()
                 start = time.perf_counter()
                 for _ in range(calls):
                     run()
@@ -76,7 +81,7 @@ def fastest_side_by_side(timers: dict[str, Timer], rounds: int = 7) -> dict[str,
     return best
 
 
-def products_timer(model: AFTLM, tokens: int = 1) -> Timer:
+def products_timer(model: AFTLM, tokens: int = 1, calls: int = TIMED_STEPS // 5) -> Timer:
     """The model's own matrix products alone, as reading `tokens` tokens at once needs them.
 
     One token: the matrix-vector products of a step, every Linear plus the tied output layer, bound
@@ -94,7 +99,7 @@ def products_timer(model: AFTLM, tokens: int = 1) -> Timer:
             F.linear(inputs[rows, lin.in_features], lin.weight, lin.bias)
         F.linear(hidden, model.embed.weight)
 
-    return products, max(1, TIMED_STEPS // 5 // tokens), tokens
+    return products, max(1, calls // tokens), tokens
 
 
 def step_timer(step: StepFunction, state, calls: int = TIMED_STEPS // 5) -> Timer:
@@ -141,15 +146,17 @@ def bench_generate(model: AFTLM, log=print) -> list[Row]:
     for context in CONTEXTS:
         state = read_until(model, ids, state, context)
         states[context] = clone_state(state)
+    calls = CALLS_PER_ROUND
     ms = fastest_side_by_side(
         {
-            "floor": products_timer(model),
-            "ceiling": products_timer(model, PROMPT_CHUNK),
-            "eager": step_timer(model.step, states[CONTEXTS[0]]),
-            **{context: step_timer(compiled, states[context]) for context in CONTEXTS},
+            "floor": products_timer(model, calls=calls),
+            "ceiling": products_timer(model, PROMPT_CHUNK, calls),
+            "eager": step_timer(model.step, states[CONTEXTS[0]], calls),
+            **{context: step_timer(compiled, states[context], calls) for context in CONTEXTS},
             "ingestion": prefill_timer(reader, ids, states[CONTEXTS[-1]]),
             "ingestion, eager": prefill_timer(model.prefill, ids, states[CONTEXTS[-1]]),
-        }
+        },
+        GENERATE_ROUNDS,
     )
     floor, ceiling, eager, latency = ms["floor"], ms["ceiling"], ms["eager"], {c: ms[c] for c in CONTEXTS}
     row("matvec floor", floor, "ms/token")

@@ -96,7 +96,7 @@ def test_bench_generate_reports_every_measure_and_judges_its_targets(monkeypatch
     monkeypatch.setattr(bench, "CONTEXTS", (64, 96, 128, 160))
     monkeypatch.setattr(bench, "GENERATED", (200, 600))
     monkeypatch.setattr(bench, "STRETCH", 100)
-    monkeypatch.setattr(bench, "TIMED_STEPS", 10)
+    monkeypatch.setattr(bench, "GENERATE_ROUNDS", 3)
     monkeypatch.setattr(bench, "compile_step", lambda model: (model.step, "eager (test)"))
     monkeypatch.setattr(bench, "compile_prefill", lambda model, length: (model.prefill, "eager (test)"))
     model = AFTLM(AFTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=2, window=8, context_length=32)).eval()
