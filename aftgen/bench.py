@@ -177,13 +177,13 @@ def bench_generate(model: AFTLM, log=print) -> list[Row]:
     options = SamplingOptions(max_new_tokens=-1, temperature=0.8, seed=0)
     with torch.inference_mode():
         context = Context(model.initial_state(1), torch.zeros(1, model.config.vocab_size), new_generator(0))
-    memory, stretches, last = {}, [], time.perf_counter()
+    memory, stretches, stretch_start = {}, [], time.perf_counter()
     for _ in generate(model, _NullTokenizer(model.config.vocab_size), context, options, compiled):
         made = int(context.state[0]["position"])
         if made % STRETCH == 0:  # timed in stretches, so the fastest can be set beside the step's fastest
             now = time.perf_counter()
-            stretches.append((now - last) / STRETCH * 1e3)
-            last = now
+            stretches.append((now - stretch_start) / STRETCH * 1e3)
+            stretch_start = now
         if made in GENERATED:
             memory[made] = memory_mb()
             if made == GENERATED[-1]:
