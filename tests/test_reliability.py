@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import platform
 import random
 import re
 import shutil
@@ -566,7 +567,7 @@ print(json.dumps({"faults": sum(faults[4:]), "peak": memory_mb()[1]}))
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION"), reason="glibc only")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_reading_chunks_reuses_freed_memory_instead_of_faulting_in_fresh_pages():
     def read(mode: str) -> dict:
         done = subprocess.run([sys.executable, "-c", READ_CHUNKS, mode], capture_output=True, text=True, check=True)
