@@ -164,13 +164,32 @@ def bench_generate(model: AFTLM, log=print) -> list[Row]:
     row("matvec floor", floor, "ms/token")
     row(f"matmul ceiling of ingestion ({PROMPT_CHUNK}-token chunks)", ceiling, "ms/token")
     row("compile warm-up of the step (once per process, not in latencies)", warm_up, "s", note=note)
-    row(f"compile warm-up of the {PROMPT_CHUNK}-token chunk reader (once per process)", reader_warm_up, "s", note=reader_note)
+    row(
+        f"compile warm-up of the {PROMPT_CHUNK}-token chunk reader (once per process)",
+        reader_warm_up,
+        "s",
+        note=reader_note,
+    )
     row("step latency, eager (before fusion)", eager, "ms/token", context=CONTEXTS[0])
     for context in CONTEXTS:
-        row("step latency" + ("" if compiled != model.step else " (eager: no compiler)"), latency[context], "ms/token", context=context)
+        row(
+            "step latency" + ("" if compiled != model.step else " (eager: no compiler)"),
+            latency[context],
+            "ms/token",
+            context=context,
+        )
     ingest = 1e3 / ms["ingestion"]
-    row(f"prompt ingestion, eager (before fusion, {PROMPT_CHUNK}-token chunks)", 1e3 / ms["ingestion, eager"], "tokens/s")
-    row(f"prompt ingestion ({PROMPT_CHUNK}-token chunks" + (", compiled)" if reader != model.prefill else ", eager: no compiler)"), ingest, "tokens/s")
+    row(
+        f"prompt ingestion, eager (before fusion, {PROMPT_CHUNK}-token chunks)",
+        1e3 / ms["ingestion, eager"],
+        "tokens/s",
+    )
+    row(
+        f"prompt ingestion ({PROMPT_CHUNK}-token chunks"
+        + (", compiled)" if reader != model.prefill else ", eager: no compiler)"),
+        ingest,
+        "tokens/s",
+    )
 
     # Memory over a long real generation (sampling included), with the fast step. The context is
     # made in inference mode, as read_prompt makes it: the step's compiled graph is specific to that.
@@ -241,7 +260,9 @@ def print_rows(rows: list[Row], as_json: bool) -> None:
             print(json.dumps(item))
         return
     for item in rows:
-        where = ", ".join(f"{k} {v}" for k, v in item.items() if k not in ("measure", "value", "unit", "target", "ok", "note"))
+        where = ", ".join(
+            f"{k} {v}" for k, v in item.items() if k not in ("measure", "value", "unit", "target", "ok", "note")
+        )
         verdict = "" if item.get("target") is None else f"  target {item['target']}: {'ok' if item['ok'] else 'MISSED'}"
         note = f"  ({item['note']})" if item.get("note") else ""
         label = item["measure"] + (f" [{where}]" if where else "")
@@ -395,9 +416,13 @@ def bench_decode(repeats: int = 100, log=print) -> list[Row]:
             ms = fastest_side_by_side(timers)
             latency = ms["step"]
             size = sum(t.numel() * t.element_size() for layer in state for t in layer.values()) / 2**20
-            rows.append({"measure": "decode step", "value": round(latency, 3), "unit": "ms/token", "step": note, **where})
+            rows.append(
+                {"measure": "decode step", "value": round(latency, 3), "unit": "ms/token", "step": note, **where}
+            )
             if "eager" in ms:
-                rows.append({"measure": "decode step, eager", "value": round(ms["eager"], 3), "unit": "ms/token", **where})
+                rows.append(
+                    {"measure": "decode step, eager", "value": round(ms["eager"], 3), "unit": "ms/token", **where}
+                )
             rows.append({"measure": "decode state memory", "value": round(size, 3), "unit": "MB", **where})
             log(f"  {mixer} after {context:,} tokens: {latency:.2f} ms/token ({note}), state {size:.2f} MB")
     return _with_ratios(rows)
@@ -424,11 +449,20 @@ def bench_quality(corpus: Path, seconds: float, mixers: tuple[str, ...], log=pri
         for mixer in mixers:
             log(f"  training {mixer} for {seconds:g} s ...")
             options = TrainOptions(
-                corpus=corpus, out=Path(folder) / mixer, mixer=mixer, max_time=seconds, max_steps=10**9, eval_interval=10**9
+                corpus=corpus,
+                out=Path(folder) / mixer,
+                mixer=mixer,
+                max_time=seconds,
+                max_steps=10**9,
+                eval_interval=10**9,
             )
             model, tokenizer = load_checkpoint(train(options, quiet=True))
             result = evaluate_text(model, tokenizer, held_out, reset_every=model.config.context_length)
-            where = {"mixer": mixer, "train_seconds": seconds, "eval": f"windows of {model.config.context_length} tokens"}
+            where = {
+                "mixer": mixer,
+                "train_seconds": seconds,
+                "eval": f"windows of {model.config.context_length} tokens",
+            }
             rows.append({"measure": "held-out", "value": round(result.nats_per_char, 4), "unit": "nats/char", **where})
             rows.append({"measure": "held-out", "value": round(result.bits_per_char, 4), "unit": "bits/char", **where})
             log(f"  {mixer}: {result.nats_per_char:.4f} nats/char ({result.bits_per_char:.4f} bits/char)")
@@ -442,7 +476,15 @@ def bench_quality(corpus: Path, seconds: float, mixers: tuple[str, ...], log=pri
                 chars = len(tokenizer.decode(ids[1 + low : 1 + (high or len(nll))].tolist()))
                 nats = float(nll[low:high].double().sum()) / max(chars, 1)
                 span = f"{low // 1000}k-{high // 1000}k" if high else f">{low // 1000}k"
-                rows.append({"measure": "held-out, one stream", "value": round(nats, 4), "unit": "nats/char", "mixer": mixer, "tokens": span})
+                rows.append(
+                    {
+                        "measure": "held-out, one stream",
+                        "value": round(nats, 4),
+                        "unit": "nats/char",
+                        "mixer": mixer,
+                        "tokens": span,
+                    }
+                )
                 log(f"  aft_local stream, tokens {span}: {nats:.4f} nats/char ({nats / math.log(2):.4f} bits/char)")
     base = {r["unit"]: r["value"] for r in rows if r["mixer"] == BASELINE and r["measure"] == "held-out"}
     for r in rows:
@@ -461,13 +503,55 @@ def comparison_targets(rows: list[Row]) -> list[Row]:
         return None
 
     checks = [
-        ("train tokens/s aft_local / attention, T=256", ratio("train step", length=256), "x", ">= 1.0", lambda x: x >= 1.0),
-        ("train tokens/s aft_local / attention, T=1024", ratio("train step", length=1024), "x", ">= 1.4", lambda x: x >= 1.4),
-        ("train tokens/s aft_local / attention, T=4096", ratio("train step", length=4096), "x", ">= 2.5", lambda x: x >= 2.5),
-        ("train peak memory aft_local / attention, T=4096", ratio("train peak memory", length=4096), "x", "<= 0.5", lambda x: x <= 0.5),
-        ("mixer fwd+bwd time aft_local / attention, T=1024", ratio("mixer fwd+bwd", length=1024), "x", "<= 0.5", lambda x: x <= 0.5),
-        ("decode latency aft_local / attention, after 32k", ratio("decode step", context=32_000), "x", "<= 0.125", lambda x: x <= 0.125),
-        ("held-out nats/char, aft_local minus attention", ratio("held-out", unit="nats/char"), "nats/char", "<= 0.03", lambda x: x <= 0.03),
+        (
+            "train tokens/s aft_local / attention, T=256",
+            ratio("train step", length=256),
+            "x",
+            ">= 1.0",
+            lambda x: x >= 1.0,
+        ),
+        (
+            "train tokens/s aft_local / attention, T=1024",
+            ratio("train step", length=1024),
+            "x",
+            ">= 1.4",
+            lambda x: x >= 1.4,
+        ),
+        (
+            "train tokens/s aft_local / attention, T=4096",
+            ratio("train step", length=4096),
+            "x",
+            ">= 2.5",
+            lambda x: x >= 2.5,
+        ),
+        (
+            "train peak memory aft_local / attention, T=4096",
+            ratio("train peak memory", length=4096),
+            "x",
+            "<= 0.5",
+            lambda x: x <= 0.5,
+        ),
+        (
+            "mixer fwd+bwd time aft_local / attention, T=1024",
+            ratio("mixer fwd+bwd", length=1024),
+            "x",
+            "<= 0.5",
+            lambda x: x <= 0.5,
+        ),
+        (
+            "decode latency aft_local / attention, after 32k",
+            ratio("decode step", context=32_000),
+            "x",
+            "<= 0.125",
+            lambda x: x <= 0.125,
+        ),
+        (
+            "held-out nats/char, aft_local minus attention",
+            ratio("held-out", unit="nats/char"),
+            "nats/char",
+            "<= 0.03",
+            lambda x: x <= 0.03,
+        ),
     ]
     memory = [r["value"] for r in rows if r["measure"] == "decode state memory" and r["mixer"] == "aft_local"]
     targets = [
@@ -477,7 +561,15 @@ def comparison_targets(rows: list[Row]) -> list[Row]:
     ]
     if memory:
         growth = memory[-1] - memory[0]
-        targets.append({"measure": "decode state growth aft_local, 1k -> 32k", "value": growth, "unit": "MB", "target": "== 0", "ok": growth == 0})
+        targets.append(
+            {
+                "measure": "decode state growth aft_local, 1k -> 32k",
+                "value": growth,
+                "unit": "MB",
+                "target": "== 0",
+                "ok": growth == 0,
+            }
+        )
     return targets
 
 
@@ -497,7 +589,14 @@ def print_comparison(rows: list[Row], as_json: bool) -> None:
         table.add_column(column, justify="left" if column in ("measure", "at") else "right")
     groups: dict[tuple, dict] = {}
     for r in measured:
-        at = next((f"{k} {r[k]:,}" if isinstance(r[k], int) else f"{k} {r[k]}" for k in ("length", "context", "tokens") if k in r), "")
+        at = next(
+            (
+                f"{k} {r[k]:,}" if isinstance(r[k], int) else f"{k} {r[k]}"
+                for k in ("length", "context", "tokens")
+                if k in r
+            ),
+            "",
+        )
         groups.setdefault((f"{r['measure']} ({r['unit']})", at), {})[r["mixer"]] = r
     for (measure, at), by_mixer in groups.items():
         ours = by_mixer.get("aft_local", {}).get("vs_attention")

@@ -1,9 +1,9 @@
 """Checkpoints: a folder shaped like a Hugging Face model repo, loaded without pickle.
 
-    config.json         architecture (validated field by field)
-    model.safetensors   weights in fp32, fp16 or bf16 (verified against the config: names, shapes)
-    tokenizer.model     SentencePiece model
-    README.md           model card
+config.json         architecture (validated field by field)
+model.safetensors   weights in fp32, fp16 or bf16 (verified against the config: names, shapes)
+tokenizer.model     SentencePiece model
+README.md           model card
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ HARDWARE_PANEL = "Hardware"
 
 # Options every command that runs the model shares (aftgen/device.py resolves them).
 DeviceOption = Annotated[
-    str, typer.Option(help="auto (CUDA, then MPS, then CPU) | cpu | cuda | cuda:N | mps.", rich_help_panel=HARDWARE_PANEL)
+    str,
+    typer.Option(help="auto (CUDA, then MPS, then CPU) | cpu | cuda | cuda:N | mps.", rich_help_panel=HARDWARE_PANEL),
 ]
 DtypeOption = Annotated[
     str,
@@ -45,7 +46,10 @@ DtypeOption = Annotated[
 ]
 ThreadsOption = Annotated[
     int | None,
-    typer.Option(help="CPU threads (default: the physical cores, shared among torchrun's processes).", rich_help_panel=HARDWARE_PANEL),
+    typer.Option(
+        help="CPU threads (default: the physical cores, shared among torchrun's processes).",
+        rich_help_panel=HARDWARE_PANEL,
+    ),
 ]
 
 
@@ -126,36 +130,59 @@ def train(
         ),
     ] = None,
     window: Annotated[int | None, typer.Option(help="AFT-local window s.", rich_help_panel=MODEL_PANEL)] = None,
-    context_length: Annotated[int | None, typer.Option(help="Training sequence length.", rich_help_panel=MODEL_PANEL)] = None,
+    context_length: Annotated[
+        int | None, typer.Option(help="Training sequence length.", rich_help_panel=MODEL_PANEL)
+    ] = None,
     dropout: Annotated[float | None, typer.Option(rich_help_panel=MODEL_PANEL)] = None,
     decay: Annotated[
-        bool | None, typer.Option(help="Learned decay beyond the window (off: the paper's AFT-local).", rich_help_panel=MODEL_PANEL)
+        bool | None,
+        typer.Option(help="Learned decay beyond the window (off: the paper's AFT-local).", rich_help_panel=MODEL_PANEL),
     ] = None,
     max_steps: Annotated[int, typer.Option(rich_help_panel=TRAIN_PANEL)] = 5000,
-    max_time: Annotated[str | None, typer.Option(help="Wall-time budget: 150, 90s, 10m, 1h.", rich_help_panel=TRAIN_PANEL)] = None,
+    max_time: Annotated[
+        str | None, typer.Option(help="Wall-time budget: 150, 90s, 10m, 1h.", rich_help_panel=TRAIN_PANEL)
+    ] = None,
     batch_size: Annotated[int | None, typer.Option(rich_help_panel=TRAIN_PANEL)] = None,
     lr: Annotated[float, typer.Option(help="Peak learning rate.", rich_help_panel=TRAIN_PANEL)] = 2e-3,
     warmup_steps: Annotated[int, typer.Option(rich_help_panel=TRAIN_PANEL)] = 100,
     weight_decay: Annotated[float, typer.Option(rich_help_panel=TRAIN_PANEL)] = 0.1,
     grad_clip: Annotated[float, typer.Option(rich_help_panel=TRAIN_PANEL)] = 1.0,
-    eval_interval: Annotated[int, typer.Option(help="Steps between held-out evals and checkpoints.", rich_help_panel=TRAIN_PANEL)] = 250,
-    eval_windows: Annotated[int, typer.Option(help="Held-out windows each eval scores.", rich_help_panel=TRAIN_PANEL)] = 32,
+    eval_interval: Annotated[
+        int, typer.Option(help="Steps between held-out evals and checkpoints.", rich_help_panel=TRAIN_PANEL)
+    ] = 250,
+    eval_windows: Annotated[
+        int, typer.Option(help="Held-out windows each eval scores.", rich_help_panel=TRAIN_PANEL)
+    ] = 32,
     keep_best: Annotated[
-        bool, typer.Option(help="Publish the weights that scored best on the held-out eval, not the latest.", rich_help_panel=TRAIN_PANEL)
+        bool,
+        typer.Option(
+            help="Publish the weights that scored best on the held-out eval, not the latest.",
+            rich_help_panel=TRAIN_PANEL,
+        ),
     ] = False,
     weights_dtype: Annotated[
-        str, typer.Option(help="fp32 | fp16 | bf16: precision of model.safetensors (fp16 halves it).", rich_help_panel=TRAIN_PANEL)
+        str,
+        typer.Option(
+            help="fp32 | fp16 | bf16: precision of model.safetensors (fp16 halves it).", rich_help_panel=TRAIN_PANEL
+        ),
     ] = "fp32",
     seed: Annotated[int, typer.Option(rich_help_panel=TRAIN_PANEL)] = 1337,
     vocab_size: Annotated[int, typer.Option(rich_help_panel=DATA_PANEL)] = 1024,
     tokenizer_type: Annotated[str, typer.Option(help="bpe | unigram | char.", rich_help_panel=DATA_PANEL)] = "bpe",
     encoding: Annotated[str, typer.Option(help="Text encoding of the corpus.", rich_help_panel=DATA_PANEL)] = "utf-8",
-    errors: Annotated[str, typer.Option(help="strict | replace | ignore undecodable bytes.", rich_help_panel=DATA_PANEL)] = "strict",
+    errors: Annotated[
+        str, typer.Option(help="strict | replace | ignore undecodable bytes.", rich_help_panel=DATA_PANEL)
+    ] = "strict",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     compile_model: Annotated[
-        bool, typer.Option("--compile/--no-compile", help="torch.compile the training model (falls back to eager).", rich_help_panel=HARDWARE_PANEL)
+        bool,
+        typer.Option(
+            "--compile/--no-compile",
+            help="torch.compile the training model (falls back to eager).",
+            rich_help_panel=HARDWARE_PANEL,
+        ),
     ] = False,
     threads: ThreadsOption = None,
 ) -> None:
@@ -190,19 +217,44 @@ def train(
 
 
 # Options shared by `sample` and `chat` (llama.cpp / transformers names and meanings).
-ModelOption = Annotated[str | None, typer.Option("--model", "-m", help="Checkpoint folder or Hub id (default: the shipped model).")]
-MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", "-n", help="-1: until stopped.", rich_help_panel=SAMPLE_PANEL)]
+ModelOption = Annotated[
+    str | None, typer.Option("--model", "-m", help="Checkpoint folder or Hub id (default: the shipped model).")
+]
+MaxNewTokens = Annotated[
+    int, typer.Option("--max-new-tokens", "-n", help="-1: until stopped.", rich_help_panel=SAMPLE_PANEL)
+]
 Temperature = Annotated[float, typer.Option(help="0: greedy.", rich_help_panel=SAMPLE_PANEL)]
 TopK = Annotated[int, typer.Option(help="Keep the k likeliest tokens (0: off).", rich_help_panel=SAMPLE_PANEL)]
 TopP = Annotated[float, typer.Option(help="Keep the smallest set reaching p.", rich_help_panel=SAMPLE_PANEL)]
-MinP = Annotated[float, typer.Option(help="Drop tokens below min_p x the top probability.", rich_help_panel=SAMPLE_PANEL)]
-RepeatPenalty = Annotated[float, typer.Option(help="Divide recent tokens' positive logits by this (1: off).", rich_help_panel=SAMPLE_PANEL)]
-RepeatLastN = Annotated[int, typer.Option(help="How many recent tokens the penalty covers.", rich_help_panel=SAMPLE_PANEL)]
-Stop = Annotated[list[str] | None, typer.Option(help="End before this string (repeatable).", rich_help_panel=SAMPLE_PANEL)]
-Seed = Annotated[int | None, typer.Option(help="Random seed (with --load-state: replaces the saved generator).", rich_help_panel=SAMPLE_PANEL)]
-LoadState = Annotated[Path | None, typer.Option(help="Continue from a state file (sample --save-state, prime).", rich_help_panel=STATE_PANEL)]
-SaveState = Annotated[Path | None, typer.Option(help="Write the state after the run, to continue it later.", rich_help_panel=STATE_PANEL)]
-Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="torch.compile the step: seconds of warm-up, then ~3x faster per token.")]
+MinP = Annotated[
+    float, typer.Option(help="Drop tokens below min_p x the top probability.", rich_help_panel=SAMPLE_PANEL)
+]
+RepeatPenalty = Annotated[
+    float, typer.Option(help="Divide recent tokens' positive logits by this (1: off).", rich_help_panel=SAMPLE_PANEL)
+]
+RepeatLastN = Annotated[
+    int, typer.Option(help="How many recent tokens the penalty covers.", rich_help_panel=SAMPLE_PANEL)
+]
+Stop = Annotated[
+    list[str] | None, typer.Option(help="End before this string (repeatable).", rich_help_panel=SAMPLE_PANEL)
+]
+Seed = Annotated[
+    int | None,
+    typer.Option(help="Random seed (with --load-state: replaces the saved generator).", rich_help_panel=SAMPLE_PANEL),
+]
+LoadState = Annotated[
+    Path | None,
+    typer.Option(help="Continue from a state file (sample --save-state, prime).", rich_help_panel=STATE_PANEL),
+]
+SaveState = Annotated[
+    Path | None, typer.Option(help="Write the state after the run, to continue it later.", rich_help_panel=STATE_PANEL)
+]
+Compile = Annotated[
+    bool,
+    typer.Option(
+        "--compile/--no-compile", help="torch.compile the step: seconds of warm-up, then ~3x faster per token."
+    ),
+]
 
 
 def _sampling_options(**values) -> SamplingOptions:
@@ -238,8 +290,12 @@ def _load_for_generation(model: str | None, load_state: Path | None, compile_ste
 @command
 def sample(
     model: ModelOption = None,
-    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue; '-' reads stdin.", rich_help_panel=SAMPLE_PANEL)] = "",
-    prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from a file.", rich_help_panel=SAMPLE_PANEL)] = None,
+    prompt: Annotated[
+        str, typer.Option("--prompt", "-p", help="Text to continue; '-' reads stdin.", rich_help_panel=SAMPLE_PANEL)
+    ] = "",
+    prompt_file: Annotated[
+        Path | None, typer.Option(help="Read the prompt from a file.", rich_help_panel=SAMPLE_PANEL)
+    ] = None,
     max_new_tokens: MaxNewTokens = 200,
     temperature: Temperature = 0.8,
     top_k: TopK = 0,
@@ -313,7 +369,11 @@ def prime(
     encoding: Annotated[str, typer.Option()] = "utf-8",
     errors: Annotated[str, typer.Option()] = "strict",
     compile_prefill: Annotated[
-        bool, typer.Option("--compile/--no-compile", help="torch.compile the chunk reader: seconds of warm-up, then faster reading of long texts.")
+        bool,
+        typer.Option(
+            "--compile/--no-compile",
+            help="torch.compile the chunk reader: seconds of warm-up, then faster reading of long texts.",
+        ),
     ] = False,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -355,7 +415,12 @@ def chat(
     min_p: MinP = 0.0,
     repeat_penalty: RepeatPenalty = 1.0,
     repeat_last_n: RepeatLastN = 64,
-    stop: Annotated[list[str] | None, typer.Option(help="End a reply before this string (repeatable; default: a blank line).", rich_help_panel=SAMPLE_PANEL)] = None,
+    stop: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="End a reply before this string (repeatable; default: a blank line).", rich_help_panel=SAMPLE_PANEL
+        ),
+    ] = None,
     seed: Seed = None,
     load_state: LoadState = None,
     save_state: SaveState = None,
@@ -390,7 +455,9 @@ def chat(
 def evaluate(
     file: Annotated[Path, typer.Argument(help="Text file to score.")],
     model: Annotated[str | None, typer.Option("--model", "-m", help="Checkpoint folder or Hub id.")] = None,
-    reset_every: Annotated[int, typer.Option(help="Cut the context into independent windows of N tokens (0: one stream).")] = 0,
+    reset_every: Annotated[
+        int, typer.Option(help="Cut the context into independent windows of N tokens (0: one stream).")
+    ] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
     encoding: Annotated[str, typer.Option()] = "utf-8",
     errors: Annotated[str, typer.Option()] = "strict",
@@ -444,7 +511,9 @@ def push(
     run_dir: Annotated[Path, typer.Argument(help="Run or checkpoint folder to upload.")],
     repo_id: Annotated[str, typer.Argument(metavar="OWNER/NAME", help="Hub model repository (created if needed).")],
     private: Annotated[bool, typer.Option(help="Create the repository as private.")] = False,
-    revision: Annotated[str | None, typer.Option(help="Branch to commit to (created if needed; default: main).")] = None,
+    revision: Annotated[
+        str | None, typer.Option(help="Branch to commit to (created if needed; default: main).")
+    ] = None,
     include_training_state: Annotated[
         bool, typer.Option(help="Also upload the optimiser state and training.json, so others can --resume.")
     ] = False,
@@ -458,7 +527,9 @@ def push(
 bench_app = typer.Typer(help="Measure speed and memory on this machine (no subcommand: `bench all`).")
 app.add_typer(bench_app, name="bench")
 AsJson = Annotated[bool, typer.Option("--json", help="One JSON object per row on stdout.")]
-PlotFile = Annotated[Path | None, typer.Option("--plot", help="Also draw the rows to this PNG (needs matplotlib: aftgen\\[plot]).")]
+PlotFile = Annotated[
+    Path | None, typer.Option("--plot", help="Also draw the rows to this PNG (needs matplotlib: aftgen\\[plot]).")
+]
 Corpus = Annotated[Path | None, typer.Option("--corpus", help="Text for the quality rows (left out without it).")]
 QualityTime = Annotated[float, typer.Option("--quality-time", help="Training seconds per mixer for the quality rows.")]
 
@@ -491,7 +562,11 @@ def _check_plot(plot: Path | None) -> None:
 
 @bench_app.callback(invoke_without_command=True)
 def bench_main(
-    ctx: typer.Context, corpus: Corpus = None, quality_time: QualityTime = 40.0, as_json: AsJson = False, plot: PlotFile = None
+    ctx: typer.Context,
+    corpus: Corpus = None,
+    quality_time: QualityTime = 40.0,
+    as_json: AsJson = False,
+    plot: PlotFile = None,
 ) -> None:
     """Every mixer side by side: training speed and memory, decode latency, held-out quality."""
     if ctx.invoked_subcommand is None:
@@ -500,7 +575,9 @@ def bench_main(
 
 @bench_app.command("all")
 @command
-def bench_all(corpus: Corpus = None, quality_time: QualityTime = 40.0, as_json: AsJson = False, plot: PlotFile = None) -> None:
+def bench_all(
+    corpus: Corpus = None, quality_time: QualityTime = 40.0, as_json: AsJson = False, plot: PlotFile = None
+) -> None:
     """train + decode (+ quality with --corpus) in one run: the paper's comparison on this machine."""
     from aftgen.bench import bench_decode, bench_quality, bench_train
     from aftgen.model import MIXERS
@@ -571,7 +648,11 @@ def bench_quality_command(
 def bench_generate(
     model: Annotated[str | None, typer.Option("--model", "-m", help="Time this checkpoint (folder or Hub id).")] = None,
     preset: Annotated[
-        str | None, typer.Option("--preset", help="Time a randomly initialised model of this training preset (default: small, `aftgen train`'s size).")
+        str | None,
+        typer.Option(
+            "--preset",
+            help="Time a randomly initialised model of this training preset (default: small, `aftgen train`'s size).",
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per row on stdout.")] = False,
 ) -> None:

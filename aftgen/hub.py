@@ -158,7 +158,9 @@ def hub_errors(name: str, revision: str | None = None, writing: bool = False) ->
         hint = token_hint if status in (401, 403) else "retry later"
         raise AftgenError(f"{name}: {hub} answered HTTP {status}: {_first_line(exc)} ({hint})") from None
     except httpx2.TransportError as exc:
-        raise AftgenError(f"{name}: cannot reach {hub} ({type(exc).__name__}); check the network or HF_ENDPOINT") from None
+        raise AftgenError(
+            f"{name}: cannot reach {hub} ({type(exc).__name__}); check the network or HF_ENDPOINT"
+        ) from None
 
 
 def _first_line(exc: Exception) -> str:

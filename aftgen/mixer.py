@@ -96,7 +96,9 @@ def block_weights(w: torch.Tensor, decay: torch.Tensor, C: int, N: int, history:
     return mats
 
 
-def to_blocks(k: torch.Tensor, v: torch.Tensor, C: int, window: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+def to_blocks(
+    k: torch.Tensor, v: torch.Tensor, C: int, window: tuple[torch.Tensor, torch.Tensor] | None
+) -> torch.Tensor:
     """exp(k) v and exp(k) side by side, laid out (H, C, N + 1, B, 2D): row j of block n' is time (n' - 1) C + j.
 
     In this layout every matmul of the chunked form is one strided bmm over all chunks and sequences
@@ -262,7 +264,9 @@ def aft_parallel(
     position, slots = state["position"], torch.arange(s, device=device)
     time_order = (slots + position) % s
     win_k, win_v = state["window_k"].index_select(1, time_order), state["window_v"].index_select(1, time_order)
-    prefix0 = torch.cat([state["prefix_num"], state["prefix_den"]], dim=-1) * torch.exp(state["prefix_max"]).repeat(1, 1, 2)
+    prefix0 = torch.cat([state["prefix_num"], state["prefix_den"]], dim=-1) * torch.exp(state["prefix_max"]).repeat(
+        1, 1, 2
+    )
     prefix0 = prefix0.transpose(0, 1).reshape(H, B * 2 * D)
     blocks = to_blocks(k, v, C, (win_k, win_v))
     i = torch.arange(C, device=device)
@@ -500,8 +504,12 @@ class AttentionMixer(torch.nn.Module):
         queries = 1 if last_only else T
         mask = None
         if queries > 1:
-            mask = torch.arange(start + T, device=x.device)[None, :] <= start + torch.arange(T, device=x.device)[:, None]
-        y = F.scaled_dot_product_attention(rotary(q[:, :, T - queries :], start + T - queries), keys, values, attn_mask=mask)
+            mask = (
+                torch.arange(start + T, device=x.device)[None, :] <= start + torch.arange(T, device=x.device)[:, None]
+            )
+        y = F.scaled_dot_product_attention(
+            rotary(q[:, :, T - queries :], start + T - queries), keys, values, attn_mask=mask
+        )
         return self.proj(y.transpose(1, 2).reshape(B, queries, -1)), state
 
     def step(self, x: torch.Tensor, state: MixerState) -> torch.Tensor:

@@ -66,7 +66,9 @@ class AFTConfig:
             if getattr(self, name) > limit:
                 raise AftgenError(f"config field '{name}' must be at most {limit}, got {getattr(self, name)}")
         if self.approximate_parameters() > MAX_PARAMETERS:
-            raise AftgenError(f"this config needs about {self.approximate_parameters():.3g} parameters, more than aftgen's limit of {MAX_PARAMETERS:.3g}")
+            raise AftgenError(
+                f"this config needs about {self.approximate_parameters():.3g} parameters, more than aftgen's limit of {MAX_PARAMETERS:.3g}"
+            )
         if self.n_embd % self.n_head:
             raise AftgenError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
         if not 0 <= self.window <= self.context_length:
@@ -189,7 +191,9 @@ class AFTLM(nn.Module):
         states = state or [None] * len(self.blocks)
         new_states = []
         for depth, (block, layer_state) in enumerate(zip(self.blocks, states, strict=True)):
-            x, layer_state = block(x, layer_state, return_state=True, last_only=last_only and depth == len(self.blocks) - 1)
+            x, layer_state = block(
+                x, layer_state, return_state=True, last_only=last_only and depth == len(self.blocks) - 1
+            )
             new_states.append(layer_state)
         return self._logits(x), new_states
 
@@ -234,7 +238,10 @@ def _compiled(function: Callable, warm_up: Callable[[Callable], object]) -> tupl
 def compile_step(model: AFTLM, batch_size: int = 1) -> tuple[StepFunction, str]:
     """`model.step` compiled for `batch_size` sequences (see _compiled), and a note of what happened."""
     device = model.embed.weight.device
-    return _compiled(model.step, lambda step: step(torch.zeros(batch_size, dtype=torch.long, device=device), model.initial_state(batch_size)))
+    return _compiled(
+        model.step,
+        lambda step: step(torch.zeros(batch_size, dtype=torch.long, device=device), model.initial_state(batch_size)),
+    )
 
 
 def compile_prefill(model: AFTLM, length: int) -> tuple[PrefillFunction, str]:

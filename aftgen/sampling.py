@@ -78,7 +78,9 @@ def filter_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tenso
     return logits
 
 
-def choose(logits: torch.Tensor, options: SamplingOptions, history: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def choose(
+    logits: torch.Tensor, options: SamplingOptions, history: torch.Tensor, generator: torch.Generator
+) -> torch.Tensor:
     """The next token for each row of logits (B, V), given each row's token history (B, n)."""
     recent = history[:, -options.repeat_last_n :] if options.repeat_last_n else history[:, :0]
     # Sampling runs on the CPU whatever the model's device: the generator is a CPU one, and a seed
@@ -123,7 +125,9 @@ class Context:
     state: ModelState
     logits: torch.Tensor  # (1, vocab): scores for the next token
     generator: torch.Generator
-    recent: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.long))  # last ids, for the repeat penalty
+    recent: torch.Tensor = field(
+        default_factory=lambda: torch.zeros(1, 0, dtype=torch.long)
+    )  # last ids, for the repeat penalty
     pending: bytes = b""  # the start of a character the last token left unfinished
 
     def remember(self, ids: torch.Tensor) -> None:

@@ -56,7 +56,12 @@ def save_state(path: Path | str, context: Context, model: AFTLM, tokenizer: Toke
         "pending": torch.cat([pending, torch.zeros(PENDING_BYTES - len(pending), dtype=torch.uint8)]),
         "pending_length": torch.tensor(len(pending)),
     }
-    metadata = {"format": FORMAT, "version": VERSION, "weights_sha256": weights_hash(model), "tokenizer_sha256": tokenizer_hash(tokenizer)}
+    metadata = {
+        "format": FORMAT,
+        "version": VERSION,
+        "weights_sha256": weights_hash(model),
+        "tokenizer_sha256": tokenizer_hash(tokenizer),
+    }
     atomic_write(path, save_safetensors({name: t.cpu() for name, t in tensors.items()}, metadata=metadata))
 
 
@@ -82,7 +87,9 @@ def load_state(path: Path | str, model: AFTLM, tokenizer: Tokenizer) -> Context:
     if metadata.get("format") != FORMAT:
         raise AftgenError(f"{path}: not an aftgen state file")
     if metadata.get("version") != VERSION:
-        raise AftgenError(f"{path}: state file version {metadata.get('version')!r} is not supported (expected {VERSION})")
+        raise AftgenError(
+            f"{path}: state file version {metadata.get('version')!r} is not supported (expected {VERSION})"
+        )
     for what, saved, ours in (
         ("model weights", metadata.get("weights_sha256"), weights_hash(model)),
         ("tokenizer", metadata.get("tokenizer_sha256"), tokenizer_hash(tokenizer)),
@@ -97,7 +104,9 @@ def load_state(path: Path | str, model: AFTLM, tokenizer: Tokenizer) -> Context:
         raise AftgenError(f"{path}: state file does not match this model's layers")
     for name, tensor in tensors.items():
         if not _fits(tensor, expected[name]):
-            raise AftgenError(f"{path}: tensor '{name}' is {tensor.dtype} {tuple(tensor.shape)}, expected {expected[name].dtype} {tuple(expected[name].shape)}")
+            raise AftgenError(
+                f"{path}: tensor '{name}' is {tensor.dtype} {tuple(tensor.shape)}, expected {expected[name].dtype} {tuple(expected[name].shape)}"
+            )
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise AftgenError(f"{path}: tensor '{name}' holds NaN or inf")
     pending_length = int(tensors["pending_length"])

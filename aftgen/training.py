@@ -104,7 +104,9 @@ class TrainOptions:
         if self.dtype not in ("auto", *DTYPES):
             raise AftgenError(f"unknown --dtype '{self.dtype}'; choose one of: auto, {', '.join(DTYPES)}")
         if self.weights_dtype not in WEIGHT_DTYPES:
-            raise AftgenError(f"unknown --weights-dtype '{self.weights_dtype}'; choose one of: {', '.join(WEIGHT_DTYPES)}")
+            raise AftgenError(
+                f"unknown --weights-dtype '{self.weights_dtype}'; choose one of: {', '.join(WEIGHT_DTYPES)}"
+            )
         if self.errors not in ("strict", "replace", "ignore"):
             raise AftgenError(f"--errors must be strict, replace or ignore, got '{self.errors}'")
         settings = self.resolved()
@@ -112,7 +114,12 @@ class TrainOptions:
             raise AftgenError(f"--batch-size must be positive, got {settings['batch_size']}")
         if settings["mixer"] not in MIXERS:
             raise AftgenError(f"unknown --mixer '{settings['mixer']}'; choose one of: {', '.join(MIXERS)}")
-        for name, flag in (("n_layer", "--layers"), ("n_embd", "--width"), ("n_head", "--heads"), ("context_length", "--context-length")):
+        for name, flag in (
+            ("n_layer", "--layers"),
+            ("n_embd", "--width"),
+            ("n_head", "--heads"),
+            ("context_length", "--context-length"),
+        ):
             if settings[name] <= 0:
                 raise AftgenError(f"{flag} must be positive, got {settings[name]}")
         AFTConfig(vocab_size=self.vocab_size, **{k: settings[k] for k in MODEL_FIELDS})  # window <= context, ...
@@ -242,7 +249,9 @@ def _save_training_state(out: Path, model: AFTLM, optimizer, generator: torch.Ge
             tensors[f"optimizer.{index}.{key}"] = torch.as_tensor(value).float().contiguous()
     tensors["rng.torch"] = torch.get_rng_state()
     tensors["rng.data"] = generator.get_state()
-    groups = [{k: v for k, v in group.items() if k != "params"} | {"params": group["params"]} for group in opt["param_groups"]]
+    groups = [
+        {k: v for k, v in group.items() if k != "params"} | {"params": group["params"]} for group in opt["param_groups"]
+    ]
     metadata = {"info": json.dumps(info), "param_groups": json.dumps(groups)}
     atomic_write(out / TRAINING_STATE, save_safetensors(tensors, metadata=metadata))
 
@@ -315,7 +324,9 @@ def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str =
         "",
         "| | |",
         "|---|---|",
-        f"| parameters | {info.get('parameters', '?'):,} |" if isinstance(info.get("parameters"), int) else "| parameters | ? |",
+        f"| parameters | {info.get('parameters', '?'):,} |"
+        if isinstance(info.get("parameters"), int)
+        else "| parameters | ? |",
         f"| layers / width / heads | {config.n_layer} / {config.n_embd} / {config.n_head} |",
         f"| mixer / window / training length | {config.mixer} / {config.window} / {config.context_length} tokens |",
         f"| vocabulary | {config.vocab_size} ({info.get('tokenizer_type', '?')}) |",
@@ -331,7 +342,7 @@ def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str =
     elif last:
         lines.append(f"| held-out (quick eval) | {last['held_out_nats_per_char']:.4f} nats/char |")
     lines += ["", "Trained with:", "", "```", info.get("command", "aftgen train ..."), "```", ""]
-    lines += ["Use it:", "", "```", "aftgen sample --model PATH_OR_HUB_ID --prompt \"...\"", "```", ""]
+    lines += ["Use it:", "", "```", 'aftgen sample --model PATH_OR_HUB_ID --prompt "..."', "```", ""]
     if sample:
         lines += ["A sample:", "", "```", sample, "```", ""]
     return "\n".join(lines)
@@ -376,7 +387,9 @@ def _train(
     settings = options.resolved()
     holds_run = (out / TRAINING_INFO).exists() or (out / TRAINING_STATE).exists() or is_checkpoint(out)
     if not options.resume and not options.overwrite and holds_run:
-        raise AftgenError(f"{out} already holds a run (or a checkpoint); pass --resume to continue it or --overwrite to replace it")
+        raise AftgenError(
+            f"{out} already holds a run (or a checkpoint); pass --resume to continue it or --overwrite to replace it"
+        )
     if options.resume and not (out / TRAINING_STATE).exists():
         raise AftgenError(f"{out} has no training state to resume; drop --resume to start a new run")
     if options.resume:
@@ -393,7 +406,9 @@ def _train(
         else:  # trained once, by rank 0, and sent to the others
             proto = None
             if world.main:
-                proto = data.cached_tokenizer(train_text, options.vocab_size, options.tokenizer_type, log=reporter.log).model_proto
+                proto = data.cached_tokenizer(
+                    train_text, options.vocab_size, options.tokenizer_type, log=reporter.log
+                ).model_proto
             tokenizer = Tokenizer(world.share_bytes(proto))
         # One process per machine tokenizes the corpus into the cache; the others wait, then read it.
         first_on_machine = distributed.local_rank() == 0
@@ -423,7 +438,9 @@ def _train(
             step, elapsed_before = info["step"], info["elapsed"]
             reporter.log(f"resuming {out} at step {step}")
             if saved.get("world_size", 1) != world.size:
-                reporter.log(f"note: trained so far by {saved.get('world_size', 1)} processes, now {world.size}: the global batch changes")
+                reporter.log(
+                    f"note: trained so far by {saved.get('world_size', 1)} processes, now {world.size}: the global batch changes"
+                )
         if world.rank:  # own dropout masks per process (the model's initialisation above is the same everywhere)
             torch.manual_seed(options.seed + 1_000_003 * world.rank + step)
         info = {
@@ -451,8 +468,14 @@ def _train(
         saved_step = step if options.resume else None
 
         def diverged(what: str, at_step: int) -> AftgenError:
-            kept = f"the last good checkpoint (step {saved_step}) in {out} is kept" if saved_step is not None else "no checkpoint was written yet"
-            return AftgenError(f"{what} became NaN or inf at step {at_step}; {kept}. Try a lower learning rate (--lr {options.lr / 3:.2g})")
+            kept = (
+                f"the last good checkpoint (step {saved_step}) in {out} is kept"
+                if saved_step is not None
+                else "no checkpoint was written yet"
+            )
+            return AftgenError(
+                f"{what} became NaN or inf at step {at_step}; {kept}. Try a lower learning rate (--lr {options.lr / 3:.2g})"
+            )
 
         # With keep_best, model.safetensors holds the weights that scored best on the quick held-out
         # check (nanoGPT's always_save_checkpoint=False); the training state always holds the latest.
@@ -478,7 +501,9 @@ def _train(
             nonlocal saved_step
             if not world.main:
                 return
-            if not all(torch.isfinite(p).all() for p in model.parameters()):  # never replace good weights with broken ones
+            if not all(
+                torch.isfinite(p).all() for p in model.parameters()
+            ):  # never replace good weights with broken ones
                 raise diverged("the weights", step)
             state_info = run_info(elapsed)
             # The training state first (it alone is enough to resume), the marker training.json last.
@@ -534,7 +559,9 @@ def _train(
 
                 now = time.monotonic()
                 tokens_per_s = tokens_seen / max(now - window_start, 1e-9)
-                reporter.update(step, progress_of(elapsed), f"loss {loss_sum / loss_count:.3f}  {tokens_per_s:,.0f} tok/s")
+                reporter.update(
+                    step, progress_of(elapsed), f"loss {loss_sum / loss_count:.3f}  {tokens_per_s:,.0f} tok/s"
+                )
                 if step % options.eval_interval == 0:
                     train_loss = world.sum([loss_sum / loss_count])[0] / world.size  # over the global batch
                     if world.main:
@@ -563,12 +590,16 @@ def _train(
             elapsed = elapsed_before + time.monotonic() - start
             last_checked = bool(metrics) and metrics[-1]["step"] == step
             if options.keep_best and world.main and not stopped_by and not last_checked:
-                improved = is_best(_held_out_loss(model, held_out_ids, eval_length, options.eval_windows) / chars_per_token)
+                improved = is_best(
+                    _held_out_loss(model, held_out_ids, eval_length, options.eval_windows) / chars_per_token
+                )
             else:
                 improved = False
             save(elapsed, improved)
         if stopped_by:
-            reporter.log(f"{stopped_by}: saved step {step} to {out}; continue with: aftgen train {corpus} --out {out} --resume")
+            reporter.log(
+                f"{stopped_by}: saved step {step} to {out}; continue with: aftgen train {corpus} --out {out} --resume"
+            )
             raise TrainingInterrupted(out)
         if not world.main:
             return out
@@ -576,7 +607,9 @@ def _train(
         # Scored as shipped: the published weights (the best ones with keep_best), at their stored precision.
         model.load_state_dict(read_weights(out / WEIGHTS, model))
         if options.keep_best:
-            reporter.log(f"keeping the weights of step {best['step']} (quick held-out {best['held_out_nats_per_char']:.4f} nats/char)")
+            reporter.log(
+                f"keeping the weights of step {best['step']} (quick held-out {best['held_out_nats_per_char']:.4f} nats/char)"
+            )
         # Attention's KV cache grows with the stream (quadratic time to read it) and its RoPE positions
         # are untrained past the training length, so attention runs are scored in windows of that length.
         reset_every = config.context_length if config.mixer == "attention" else 0
@@ -598,4 +631,3 @@ class TrainingInterrupted(Exception):
     def __init__(self, out: Path):
         super().__init__(str(out))
         self.out = out
-

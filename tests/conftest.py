@@ -69,5 +69,7 @@ def tiny_run(tmp_path_factory, corpus) -> Path:
     from aftgen.training import TrainOptions, train
 
     out = tmp_path_factory.mktemp("runs") / "tiny"
-    train(TrainOptions(corpus=corpus, out=out, preset="tiny", max_steps=40, eval_interval=20, vocab_size=400), quiet=True)
+    train(
+        TrainOptions(corpus=corpus, out=out, preset="tiny", max_steps=40, eval_interval=20, vocab_size=400), quiet=True
+    )
     return out

@@ -152,7 +152,11 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             content = repo.commits[sha].get(name)
             if content is None:
                 raise HubError(404, "EntryNotFound", f"{name} does not exist on {parts[3]}")
-            headers = {"X-Repo-Commit": sha, "ETag": f'"{git_blob_id(content)}"', "Content-Type": "application/octet-stream"}
+            headers = {
+                "X-Repo-Commit": sha,
+                "ETag": f'"{git_blob_id(content)}"',
+                "Content-Type": "application/octet-stream",
+            }
             self._send(200, content, headers)
 
         def _api(self, method: str, parts: list[str], body: bytes) -> None:
@@ -180,7 +184,9 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if method == "POST" and action == "preupload" and rest:
                 self._commit(repo, rest[0])
                 files = json.loads(body)["files"]
-                return self._reply(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
+                return self._reply(
+                    200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}
+                )
             if method == "POST" and action == "commit" and rest:
                 return self._commit_files(repo_id, repo, rest[0], body)
             if method == "POST" and action == "branch" and rest:
@@ -220,7 +226,11 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 item = json.loads(line)
                 if item["key"] == "file":
                     value = item["value"]
-                    files[value["path"]] = base64.b64decode(value["content"]) if value.get("encoding") == "base64" else value["content"].encode()
+                    files[value["path"]] = (
+                        base64.b64decode(value["content"])
+                        if value.get("encoding") == "base64"
+                        else value["content"].encode()
+                    )
                 elif item["key"] == "deletedFile":
                     deleted.append(item["value"]["path"])
                 elif item["key"] != "header":

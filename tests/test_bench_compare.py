@@ -21,7 +21,12 @@ def test_probe_times_a_training_step_and_the_mixer_alone(mixer):
 def test_ratios_are_against_attention_at_the_same_length_and_targets_read_them():
     rows = [
         {"measure": "train step", "mixer": m, "length": length, "value": value}
-        for m, length, value in [("aft_local", 1024, 300.0), ("attention", 1024, 200.0), ("aft_local", 4096, 500.0), ("attention", 4096, 100.0)]
+        for m, length, value in [
+            ("aft_local", 1024, 300.0),
+            ("attention", 1024, 200.0),
+            ("aft_local", 4096, 500.0),
+            ("attention", 4096, 100.0),
+        ]
     ]
     _with_ratios(rows)
     assert [r["vs_attention"] for r in rows] == [1.5, 1.0, 5.0, 1.0]
@@ -42,7 +47,12 @@ def test_bench_train_takes_turns_over_all_configurations_and_keeps_each_ones_fas
         # aft_local is slowed in round 1 (a busy spell), attention in round 2
         slow = (mixer == "aft_local") == (round_number == 1)
         seconds = 2.0 if slow else 1.0
-        return {"seconds": seconds, "tokens_per_s": 4096 / seconds, "peak_mb": 10.0 * round_number, "batch": 4096 // length}
+        return {
+            "seconds": seconds,
+            "tokens_per_s": 4096 / seconds,
+            "peak_mb": 10.0 * round_number,
+            "batch": 4096 // length,
+        }
 
     monkeypatch.setattr(aftgen.bench, "_probe_in_subprocess", fake_probe)
     rows = aftgen.bench.bench_train(("aft_local", "attention"), repeats=1, rounds=2, log=lambda _: None)

@@ -17,7 +17,12 @@ runner = CliRunner()
 def run_cli(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
     """The real console entry point in a subprocess, as a user runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "aftgen", *args], capture_output=True, text=True, input=input, env=os.environ.copy(), timeout=300
+        [sys.executable, "-m", "aftgen", *args],
+        capture_output=True,
+        text=True,
+        input=input,
+        env=os.environ.copy(),
+        timeout=300,
     )
 
 
@@ -43,7 +48,14 @@ def test_eval_json(tiny_run, corpus):
 
 
 def test_train_writes_a_checkpoint(tiny_run):
-    for name in ("config.json", "model.safetensors", "tokenizer.model", "README.md", "metrics.jsonl", "training_state.safetensors"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.model",
+        "README.md",
+        "metrics.jsonl",
+        "training_state.safetensors",
+    ):
         assert (tiny_run / name).is_file(), name
     rows = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [20, 40]
@@ -52,7 +64,9 @@ def test_train_writes_a_checkpoint(tiny_run):
 
 def test_train_cli_in_subprocess(tmp_path, corpus):
     out = tmp_path / "run"
-    done = run_cli("train", str(corpus), "--out", str(out), "--preset", "tiny", "--max-steps", "10", "--vocab-size", "300")
+    done = run_cli(
+        "train", str(corpus), "--out", str(out), "--preset", "tiny", "--max-steps", "10", "--vocab-size", "300"
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(out)
     again = run_cli("train", str(corpus), "--out", str(out), "--preset", "tiny", "--max-steps", "10")

@@ -29,9 +29,28 @@ def aftgen_train(corpus: Path, out: Path, *args: str, processes: int = 1) -> sub
     """`aftgen train` as a user runs it: plainly, or under torchrun with `processes` workers."""
     launcher = [sys.executable, "-m", "aftgen"]
     if processes > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes), "-m", "aftgen"]
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(processes),
+            "-m",
+            "aftgen",
+        ]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    command = [*launcher, "train", str(corpus), "--out", str(out), *TRAIN, "--batch-size", str(GLOBAL_BATCH // processes), *args]
+    command = [
+        *launcher,
+        "train",
+        str(corpus),
+        "--out",
+        str(out),
+        *TRAIN,
+        "--batch-size",
+        str(GLOBAL_BATCH // processes),
+        *args,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -59,7 +78,11 @@ def test_two_processes_train_like_one_even_across_a_resume(tmp_path, corpus, sin
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in single_run.iterdir())
     assert done.stdout.split() == [str(out)]
     info = json.loads((out / "training.json").read_text())
-    assert (info["world_size"], info["global_batch_size"], info["settings"]["batch_size"]) == (2, GLOBAL_BATCH, GLOBAL_BATCH // 2)
+    assert (info["world_size"], info["global_batch_size"], info["settings"]["batch_size"]) == (
+        2,
+        GLOBAL_BATCH,
+        GLOBAL_BATCH // 2,
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     single_rows = [json.loads(line) for line in (single_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [3, 6]
@@ -99,7 +122,19 @@ def test_bf16_training_on_cpu_runs_and_stays_finite(tmp_path, corpus):
     runs = {}
     for dtype in ("fp32", "bf16"):
         out = tmp_path / dtype
-        train(TrainOptions(corpus=corpus, out=out, preset="tiny", max_steps=4, eval_interval=4, vocab_size=400, device="cpu", dtype=dtype), quiet=True)
+        train(
+            TrainOptions(
+                corpus=corpus,
+                out=out,
+                preset="tiny",
+                max_steps=4,
+                eval_interval=4,
+                vocab_size=400,
+                device="cpu",
+                dtype=dtype,
+            ),
+            quiet=True,
+        )
         runs[dtype] = out
     info = json.loads((runs["bf16"] / "training.json").read_text())
     assert info["device"] == "cpu bf16"
@@ -132,7 +167,6 @@ def test_missing_device_is_a_clear_error(tiny_run):
         resolve("tpu")
     with pytest.raises(AftgenError, match="unknown --dtype"):
         resolve("cpu", "fp8")
-
 
 
 def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):

@@ -48,9 +48,14 @@ print(json.dumps([[r.exit_code, r.stdout, r.stderr] for r in done]))
 
 
 def aftgen_session(env: dict[str, str], *commands: list[str]) -> list[subprocess.CompletedProcess]:
-    ran = subprocess.run([sys.executable, "-c", SESSION, json.dumps(commands)], capture_output=True, text=True, env=env, timeout=300)
+    ran = subprocess.run(
+        [sys.executable, "-c", SESSION, json.dumps(commands)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert ran.returncode == 0, ran.stderr
-    return [subprocess.CompletedProcess(args, *outcome) for args, outcome in zip(commands, json.loads(ran.stdout), strict=True)]
+    return [
+        subprocess.CompletedProcess(args, *outcome)
+        for args, outcome in zip(commands, json.loads(ran.stdout), strict=True)
+    ]
 
 
 def checkpoint_files(run: Path) -> dict[str, bytes]:
@@ -77,7 +82,10 @@ def test_push_pull_and_sample_by_hub_id_then_offline(tmp_path, tiny_run):
     with FakeHub(token=TOKEN) as server:
         env = hub_env(server, tmp_path / "hf")
         pushed, pulled, by_id = aftgen_session(
-            env, ["push", str(tiny_run), "carol/tiny"], ["pull", "carol/tiny"], ["sample", "--model", "carol/tiny", *SAMPLE]
+            env,
+            ["push", str(tiny_run), "carol/tiny"],
+            ["pull", "carol/tiny"],
+            ["sample", "--model", "carol/tiny", *SAMPLE],
         )
         assert pushed.returncode == 0, pushed.stderr
         assert pushed.stdout.strip().startswith(f"{server.url}/carol/tiny/commit/")

@@ -132,7 +132,14 @@ def test_huge_keys_and_long_sequences_stay_finite():
         assert torch.isfinite(tensor.grad).all()
     state = empty_state(B, H, D, s)
     for t in range(200):
-        out = aft_step(q[:, t].detach(), soft_cap(raw_k[:, t].detach()), v[:, t].detach(), soft_cap(w.detach()), decay.detach(), state)
+        out = aft_step(
+            q[:, t].detach(),
+            soft_cap(raw_k[:, t].detach()),
+            v[:, t].detach(),
+            soft_cap(w.detach()),
+            decay.detach(),
+            state,
+        )
         assert torch.isfinite(out).all()
 
 

@@ -114,7 +114,9 @@ def test_hand_written_backward_matches_autograd_of_the_naive_formula(s, T, chunk
 def naive_attention(q, k, v):
     """Causal softmax attention with rotary positions, from the formulas: q, k, v are (B, H, T, D)."""
     B, H, T, D = q.shape
-    angle = torch.arange(T, dtype=torch.float64)[:, None] * 10_000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * 10_000.0 ** (
+        -torch.arange(0, D, 2, dtype=torch.float64) / D
+    )
     turn = torch.polar(torch.ones_like(angle), angle)  # e^{i theta}: channel pairs (c, c + D/2) as complex numbers
 
     def rotate(x):

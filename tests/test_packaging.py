@@ -38,7 +38,16 @@ def test_wheel_ships_the_default_model(tmp_path, tiny_run):
         shutil.copy(ROOT / name, source)
 
     # Offline: no index, and the build uses this environment's setuptools instead of fetching one.
-    pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "--wheel-dir", str(tmp_path / "dist"), ".", cwd=source)
+    pip(
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "--wheel-dir",
+        str(tmp_path / "dist"),
+        ".",
+        cwd=source,
+    )
     (wheel,) = (tmp_path / "dist").glob("aftgen-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
     assert {f"aftgen/models/shakespeare/{name}" for name in (*CHECKPOINT_FILES, CARD)} <= shipped
@@ -52,7 +61,12 @@ def test_wheel_ships_the_default_model(tmp_path, tiny_run):
     where = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert all(Path(line).is_relative_to(target) for line in where.stdout.split()), where.stdout + where.stderr
     done = subprocess.run(
-        [str(target / "bin" / "aftgen"), "sample", *SAMPLE], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+        [str(target / "bin" / "aftgen"), "sample", *SAMPLE],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     expected = CliRunner().invoke(app, ["sample", "--model", str(tiny_run), *SAMPLE])

@@ -53,7 +53,18 @@ def temporaries(out: Path) -> list[Path]:
 def training_command(corpus: Path, out: Path, *extra: str) -> list[str]:
     """`aftgen train` checkpointing every 2 steps, with no end in sight unless `extra` sets one."""
     command = [sys.executable, "-m", "aftgen", "train", str(corpus), "--out", str(out), "--preset", "tiny"]
-    command += ["--vocab-size", "400", "--max-steps", "1000000", "--eval-interval", "2", "--threads", "1", "--device", "cpu"]
+    command += [
+        "--vocab-size",
+        "400",
+        "--max-steps",
+        "1000000",
+        "--eval-interval",
+        "2",
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+    ]
     return [*command, *extra]
 
 
@@ -137,7 +148,9 @@ def test_signals_save_and_exit_130(tmp_path, corpus, tiny_run, signals):
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr
     if len(signals) == 1:
-        assert re.search(rf"{signals[0]}: saved step (\d+) to {re.escape(str(out))}; continue with: .* --resume", stderr), stderr
+        assert re.search(
+            rf"{signals[0]}: saved step (\d+) to {re.escape(str(out))}; continue with: .* --resume", stderr
+        ), stderr
         step = int(re.search(r"saved step (\d+)", stderr).group(1))
         assert trained_step(out) == step and stdout.strip() == str(out)
     else:
@@ -188,7 +201,9 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, corpus, 
 
     def disk_fills_at_step_4(row: dict) -> None:
         if row["step"] == 4:  # the save of step 2 is complete; the disk is full from now on
-            before.update({name: (out / name).read_bytes() for name in (*CHECKPOINT_FILES, TRAINING_STATE, TRAINING_INFO)})
+            before.update(
+                {name: (out / name).read_bytes() for name in (*CHECKPOINT_FILES, TRAINING_STATE, TRAINING_INFO)}
+            )
 
             def full(fd):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -302,7 +317,9 @@ OPTION_CASES = [
 
 @pytest.mark.parametrize("extra,message", OPTION_CASES, ids=[" ".join(c[0]) for c in OPTION_CASES])
 def test_bad_training_option(tmp_path, corpus, extra, message):
-    result = invoke("train", corpus, "--out", tmp_path / "run", "--preset", "tiny", "--max-steps", "2", "--threads", "1", *extra)
+    result = invoke(
+        "train", corpus, "--out", tmp_path / "run", "--preset", "tiny", "--max-steps", "2", "--threads", "1", *extra
+    )
     assert_one_error(result, message)
     assert not (tmp_path / "run" / TRAINING_INFO).exists()
 
@@ -316,10 +333,28 @@ def test_unwritable_run_folder_is_refused_before_any_work(tmp_path, corpus):
 def test_odd_but_valid_text_trains(tmp_path):
     """A huge single line, mixed line endings and a few stray NUL bytes are just text."""
     text = make_corpus(20_000, seed=8)
-    odd = text[:8000].replace("\n", " ") + "\r\n".join(text[8000:14000].splitlines()) + "\r" + text[14000:].replace("\n", "\x00", 5)
+    odd = (
+        text[:8000].replace("\n", " ")
+        + "\r\n".join(text[8000:14000].splitlines())
+        + "\r"
+        + text[14000:].replace("\n", "\x00", 5)
+    )
     path = tmp_path / "odd.txt"
     path.write_bytes(odd.encode())
-    result = invoke("train", path, "--out", tmp_path / "run", "--preset", "tiny", "--max-steps", "2", "--vocab-size", "300", "--threads", "1")
+    result = invoke(
+        "train",
+        path,
+        "--out",
+        tmp_path / "run",
+        "--preset",
+        "tiny",
+        "--max-steps",
+        "2",
+        "--vocab-size",
+        "300",
+        "--threads",
+        "1",
+    )
     assert result.exit_code == 0, result.output
     _, tokenizer = load_checkpoint(tmp_path / "run")
     assert tokenizer.decode(tokenizer.encode(odd)) == odd
@@ -361,7 +396,13 @@ def _flip_header(path: Path) -> bytes:
     return bytes(data)
 
 
-GPT2_CONFIG = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 12, "n_embd": 768, "vocab_size": 50257}
+GPT2_CONFIG = {
+    "model_type": "gpt2",
+    "architectures": ["GPT2LMHeadModel"],
+    "n_layer": 12,
+    "n_embd": 768,
+    "vocab_size": 50257,
+}
 CHECKPOINT_CASES = {
     "no weights": (lambda f: (f / WEIGHTS).unlink(), "missing model.safetensors"),
     "no tokenizer": (lambda f: (f / TOKENIZER).unlink(), "missing tokenizer.model"),
@@ -369,7 +410,10 @@ CHECKPOINT_CASES = {
     "truncated weights": (_write(WEIGHTS, lambda p: p.read_bytes()[: p.stat().st_size // 2]), "truncated or corrupt"),
     "corrupt weights header": (_write(WEIGHTS, _flip_header), "truncated or corrupt"),
     "empty weights": (_write(WEIGHTS, b""), "truncated or corrupt"),
-    "misshapen tensor": (_retensor(lambda t: t | {"embed.weight": t["embed.weight"][:, :16].contiguous()}), "config.json needs"),
+    "misshapen tensor": (
+        _retensor(lambda t: t | {"embed.weight": t["embed.weight"][:, :16].contiguous()}),
+        "config.json needs",
+    ),
     "extra tensor": (_retensor(lambda t: t | {"lm_head.weight": t["embed.weight"].clone()}), "unexpected"),
     "missing tensor": (_retensor(lambda t: {k: v for k, v in t.items() if k != "ln_out.bias"}), "missing"),
     "integer tensor": (_retensor(lambda t: t | {"ln_out.bias": t["ln_out.bias"].int()}), "torch.int32"),
@@ -383,7 +427,10 @@ CHECKPOINT_CASES = {
     "config bool for int": (_edit_json(CONFIG, lambda c: c | {"n_head": True}), "'n_head' must be int"),
     "config unknown key": (_edit_json(CONFIG, lambda c: c | {"rope_theta": 10000}), "unknown keys: rope_theta"),
     "config from GPT-2": (_write(CONFIG, json.dumps(GPT2_CONFIG).encode()), "model_type is 'gpt2'"),
-    "config newer format": (_edit_json(CONFIG, lambda c: c | {"format_version": 99}), "format_version 99 is not supported"),
+    "config newer format": (
+        _edit_json(CONFIG, lambda c: c | {"format_version": 99}),
+        "format_version 99 is not supported",
+    ),
     "config absurd size": (_edit_json(CONFIG, lambda c: c | {"n_embd": 10**12}), "must be at most"),
     "config vocab mismatch": (_edit_json(CONFIG, lambda c: c | {"vocab_size": c["vocab_size"] + 1}), "tokenizer has"),
     "tokenizer garbage": (_write(TOKENIZER, b"\x08\x96\x01 definitely not sentencepiece"), "not a valid SentencePiece"),
@@ -414,7 +461,10 @@ def test_tokenizer_from_another_model_is_refused(tmp_path, tiny_run):
     shutil.copytree(tiny_run, tmp_path / "model")
     other = train_tokenizer(make_corpus(20_000, seed=9), 300, log=lambda _: None)
     (tmp_path / "model" / TOKENIZER).write_bytes(other.model_proto)
-    assert_one_error(invoke("sample", "--model", tmp_path / "model", "--prompt", "x"), r"tokenizer has \d+ pieces but config.json says vocab_size \d+")
+    assert_one_error(
+        invoke("sample", "--model", tmp_path / "model", "--prompt", "x"),
+        r"tokenizer has \d+ pieces but config.json says vocab_size \d+",
+    )
 
 
 def test_internal_error_is_one_line_and_a_log(tmp_path, tiny_run, monkeypatch):
@@ -430,7 +480,9 @@ def test_internal_error_is_one_line_and_a_log(tmp_path, tiny_run, monkeypatch):
     assert result.exception is None or isinstance(result.exception, SystemExit)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    found = re.fullmatch(r"error: internal error: RuntimeError: boom \(traceback in (\S+); --debug shows it\)", lines[0])
+    found = re.fullmatch(
+        r"error: internal error: RuntimeError: boom \(traceback in (\S+); --debug shows it\)", lines[0]
+    )
     assert found, lines[0]
     log = Path(found.group(1)).read_text()
     assert "Traceback (most recent call last)" in log and "RuntimeError: boom" in log
@@ -457,7 +509,13 @@ def test_no_unsafe_loading_in_the_source():
 
 
 def test_the_unsafe_pattern_scan_can_fail():
-    samples = ["import pickle", "from pickle import loads", "torch.load(path)", "np.load(f, allow_pickle=True)", "exec(code)"]
+    samples = [
+        "import pickle",
+        "from pickle import loads",
+        "torch.load(path)",
+        "np.load(f, allow_pickle=True)",
+        "exec(code)",
+    ]
     assert all(any(p.search(sample) for p, _ in UNSAFE) for sample in samples)
     assert not any(p.search("torch.load(path, weights_only=True)") for p, _ in UNSAFE)
 
@@ -470,7 +528,9 @@ JSON = st.recursive(
 )
 NEAR_VALID = st.fixed_dictionaries(
     {"vocab_size": st.integers(1, 2**70) | JSON},
-    optional={name: st.integers(-3, 2**70) | st.integers(0, 300) | JSON for name in FIELD_NAMES if name != "vocab_size"},
+    optional={
+        name: st.integers(-3, 2**70) | st.integers(0, 300) | JSON for name in FIELD_NAMES if name != "vocab_size"
+    },
 )
 
 
@@ -545,7 +605,6 @@ def test_atomic_writes_get_the_permissions_a_plain_open_would(tmp_path):
         assert (tmp_path / "new.json").stat().st_mode & 0o777 == 0o640
     finally:
         os.umask(umask)
-
 
 
 READ_CHUNKS = """

@@ -55,7 +55,10 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top():
 
 def test_temperature_sharpens_or_flattens():
     logits = PROBS.log()
-    entropy = [-(p * p.log()).sum() for p in (filter_logits(logits, SamplingOptions(temperature=t)).softmax(-1) for t in (0.5, 1, 2))]
+    entropy = [
+        -(p * p.log()).sum()
+        for p in (filter_logits(logits, SamplingOptions(temperature=t)).softmax(-1) for t in (0.5, 1, 2))
+    ]
     assert entropy[0] < entropy[1] < entropy[2]
     greedy = choose(logits, SamplingOptions(temperature=0), torch.zeros(1, 0, dtype=torch.long), torch.Generator())
     assert int(greedy) == 0
@@ -147,7 +150,10 @@ def test_invalid_values_fail_before_any_work(args, message):
 def test_save_then_load_state_continues_exactly(tiny_run, tmp_path):
     common = ["--model", str(tiny_run), "--temperature", "1.2", "--repeat-penalty", "1.3"]
     whole = runner.invoke(app, ["sample", *common, "-p", "KING:", "-n", "60", "--seed", "5"])
-    first = runner.invoke(app, ["sample", *common, "-p", "KING:", "-n", "25", "--seed", "5", "--save-state", str(tmp_path / "s.safetensors")])
+    first = runner.invoke(
+        app,
+        ["sample", *common, "-p", "KING:", "-n", "25", "--seed", "5", "--save-state", str(tmp_path / "s.safetensors")],
+    )
     second = runner.invoke(app, ["sample", *common, "-n", "35", "--load-state", str(tmp_path / "s.safetensors")])
     assert whole.exit_code == first.exit_code == second.exit_code == 0, first.stderr + second.stderr
     assert first.stdout + second.stdout == whole.stdout
@@ -203,7 +209,9 @@ def test_prime_reads_a_long_text_in_chunks(tiny, tiny_run, corpus, tmp_path, mon
     monkeypatch.undo()
     one_pass = read_prompt(model, tokenizer, corpus.read_text()[:3000], seed=0)
     assert (small_chunks.logits - one_pass.logits).abs().max() < 1e-4
-    sampled = runner.invoke(app, ["sample", "--model", str(tiny_run), "--load-state", str(style), "-n", "10", "--seed", "2"])
+    sampled = runner.invoke(
+        app, ["sample", "--model", str(tiny_run), "--load-state", str(style), "-n", "10", "--seed", "2"]
+    )
     assert sampled.exit_code == 0 and sampled.stdout.strip()
 
 
@@ -236,7 +244,10 @@ def test_chat_ctrl_c_stops_the_reply_and_ctrl_d_exits(tiny_run):
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     out, err = [], []
-    readers = [threading.Thread(target=_read_into, args=(s, sink), daemon=True) for s, sink in ((chat.stdout, out), (chat.stderr, err))]
+    readers = [
+        threading.Thread(target=_read_into, args=(s, sink), daemon=True)
+        for s, sink in ((chat.stdout, out), (chat.stderr, err))
+    ]
     for reader in readers:
         reader.start()
 

@@ -47,7 +47,9 @@ def test_keep_best_publishes_the_best_scoring_weights(tmp_path, corpus, tiny_run
     assert published.keys() == step_4.keys()
     for name in published:
         torch.testing.assert_close(published[name], step_4[name], atol=0, rtol=0, msg=name)
-    assert any(not torch.equal(published[name], latest[name]) for name in published), "the latest weights were published"
+    assert any(not torch.equal(published[name], latest[name]) for name in published), (
+        "the latest weights were published"
+    )
     # The final score in the card describes the published weights.
     model, tokenizer = load_checkpoint(out)
     from aftgen.data import read_text, split_text
