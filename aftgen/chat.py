@@ -16,6 +16,8 @@ from aftgen.model import AFTLM, StepFunction
 from aftgen.sampling import Context, SamplingOptions, generate, read_prompt
 from aftgen.tokenizer import Tokenizer
 
+REPLY_END = "\n\n"  # a reply ends at a blank line unless told otherwise
+
 
 @contextlib.contextmanager
 def interrupt_flag() -> Iterator[Callable[[], bool]]:

@@ -134,27 +134,31 @@ def set_threads(threads: int | None = None) -> int:
     return threads
 
 
-def compiled(module: torch.nn.Module, warn: Callable[[str], None]) -> Callable[..., torch.Tensor]:
-    """torch.compile(module), or the module itself (after one warning) if compiling it fails.
+class Compiled:
+    """`function` through torch.compile, or `function` itself where compiling fails.
 
-    torch.compile is lazy, so failures surface on the first call; that call is then redone eagerly.
+    torch.compile is lazy, so a failure (no C++ compiler, an op it cannot trace) surfaces on the first
+    call; that call is redone eagerly, `failure` says why, and `warn` (if given) hears it once.
     """
-    try:
-        fast = torch.compile(module)
-    except Exception as exc:  # e.g. a platform torch.compile does not support
-        warn(f"warning: --compile unavailable ({type(exc).__name__}: {exc}); running eagerly")
-        return module
-    current = {"call": fast}
 
-    def call(*args, **kwargs):
+    def __init__(self, function: Callable, warn: Callable[[str], None] | None = None, **options) -> None:
+        self.function, self.warn = function, warn
+        self.failure: str | None = None
         try:
-            return current["call"](*args, **kwargs)
-        except Exception as exc:  # no C compiler, an unsupported op, ...: eager always works
-            if current["call"] is module:
-                raise
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            warn(f"warning: --compile failed ({type(exc).__name__}: {first_line[:200]}); running eagerly")
-            current["call"] = module
-            return module(*args, **kwargs)
+            self._compiled = torch.compile(function, **options)
+        except Exception as exc:  # a platform torch.compile does not support
+            self._fall_back(exc)
 
-    return call
+    def __call__(self, *args, **kwargs):
+        if self.failure is None:
+            try:
+                return self._compiled(*args, **kwargs)
+            except Exception as exc:  # no C++ compiler, an unsupported op, ...: eager always works
+                self._fall_back(exc)
+        return self.function(*args, **kwargs)
+
+    def _fall_back(self, exc: Exception) -> None:
+        first_line = next(iter(str(exc).strip().splitlines()), "")
+        self.failure = f"{type(exc).__name__}: {first_line[:200]}" if first_line else type(exc).__name__
+        if self.warn is not None:
+            self.warn(self.failure)

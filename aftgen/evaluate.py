@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from aftgen.errors import AftgenError
 from aftgen.model import AFTLM
 from aftgen.tokenizer import Tokenizer
 
@@ -49,8 +50,28 @@ def stream_nll(model: AFTLM, ids: torch.Tensor, chunk: int = 1024, reset_every: 
     return torch.cat(losses)
 
 
+@torch.inference_mode()
+def window_loss(model: AFTLM, ids: torch.Tensor, length: int, windows: int) -> float:
+    """Mean nats per token over up to `windows` evenly spaced windows of `length` tokens of ids (quick,
+    deterministic: training's held-out check)."""
+    count = max(1, min(windows, (len(ids) - 1) // length))
+    stride = max(1, (len(ids) - length - 1) // count)
+    rows = torch.stack([ids[i * stride : i * stride + length + 1] for i in range(count)]).long()
+    rows = rows.to(model.embed.weight.device)
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for group in rows.split(32):  # bounded memory however many windows are asked for
+        logits = model(group[:, :-1])
+        total += float(F.cross_entropy(logits.flatten(0, 1), group[:, 1:].flatten(), reduction="sum"))
+    model.train(was_training)
+    return total / (count * length)
+
+
 def evaluate_text(model: AFTLM, tokenizer: Tokenizer, text: str, reset_every: int = 0) -> Evaluation:
     """Loss over all of `text` (each token predicted from a BOS and the text before it)."""
+    if reset_every < 0:
+        raise AftgenError(f"--reset-every must be >= 0, got {reset_every}")
     ids = torch.tensor([tokenizer.bos_id, *tokenizer.encode(text)])
     return summarise(stream_nll(model, ids, reset_every=reset_every), text)
 

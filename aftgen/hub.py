@@ -12,7 +12,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from aftgen.checkpoint import CARD, CHECKPOINT_FILES, check_checkpoint, load_checkpoint
+from aftgen.card import run_card
+from aftgen.checkpoint import (
+    CARD,
+    CHECKPOINT_FILES,
+    METRICS,
+    TRAINING_INFO,
+    TRAINING_STATE,
+    check_checkpoint,
+    load_checkpoint,
+)
 from aftgen.data import read_text
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM
@@ -73,8 +82,6 @@ def push(
     Optimiser state (training_state.safetensors, training.json) stays local unless include_training_state.
     """
     from huggingface_hub import CommitOperationAdd, HfApi
-
-    from aftgen.training import METRICS, TRAINING_INFO, TRAINING_STATE, run_card
 
     run_dir = Path(run_dir)
     model, tokenizer = load_checkpoint(run_dir)  # only a complete, valid checkpoint is worth sharing

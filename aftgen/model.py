@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
@@ -16,21 +17,25 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from aftgen.device import Compiled
 from aftgen.errors import AftgenError
-from aftgen.mixer import AFTLocalMixer, AttentionMixer, MixerState
+from aftgen.mixers import MIXERS, MixerState, make_mixer
 
-# Token mixers; everything else in the model is shared. The AFT ones differ only in their window s:
-# aft_local uses config.window, aft_simple none (no position bias, only the decay), aft_full the whole
-# training context (its generation step then costs O(context_length) per token).
-MIXERS = ("aft_local", "aft_simple", "aft_full", "attention")
-
-ModelState = list[MixerState]
+ModelState = list[MixerState]  # one mixer state per layer
 
 # Far beyond anything aftgen trains, these keep a hostile or mistyped config.json (or option) from
 # asking for terabytes, or for sizes that overflow torch's integers, before any weights are read.
 LIMITS = {"vocab_size": 1 << 20, "n_layer": 1024, "n_embd": 1 << 16, "n_head": 1 << 12, "window": 1 << 20,
           "context_length": 1 << 20, "mlp_ratio": 64}  # fmt: skip
 MAX_PARAMETERS = 1 << 32  # 16 GiB of fp32 weights
+
+# Model sizes (and the batch size that suits them). "small" is the default, sized to learn a 1 MB
+# corpus well in minutes on 2 CPU cores; "medium" is the shipped model (under 16 MB in fp16).
+PRESETS: dict[str, dict] = {
+    "tiny": dict(n_layer=2, n_embd=32, n_head=2, window=8, context_length=32, batch_size=8),
+    "small": dict(n_layer=4, n_embd=192, n_head=6, window=32, context_length=128, batch_size=16),
+    "medium": dict(n_layer=6, n_embd=320, n_head=10, window=32, context_length=256, batch_size=16, dropout=0.3),
+}
 
 
 @dataclass
@@ -53,11 +58,9 @@ class AFTConfig:
 
     def validate(self) -> None:
         """Raise AftgenError naming the first field whose type or range is wrong."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            expected = {"int": int, "str": str, "bool": bool, "float": (int, float)}[str(f.type)]
-            if isinstance(value, bool) and expected is not bool or not isinstance(value, expected):
-                raise AftgenError(f"config field '{f.name}' must be {f.type}, got {value!r}")
+        for name, annotation in typing.get_type_hints(AFTConfig).items():
+            if not _is_a(getattr(self, name), annotation):
+                raise AftgenError(f"config field '{name}' must be {_type_name(annotation)}, got {getattr(self, name)!r}")
         positive = ("vocab_size", "n_layer", "n_embd", "n_head", "context_length", "mlp_ratio")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -77,6 +80,14 @@ class AFTConfig:
             raise AftgenError(f"unknown mixer '{self.mixer}'; choose one of: {', '.join(MIXERS)}")
         if not 0.0 <= self.dropout < 1.0:
             raise AftgenError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @classmethod
+    def from_preset(cls, preset: str, vocab_size: int, **changes) -> AFTConfig:
+        """A preset's sizes (less its batch size), with `changes` laid over them."""
+        if preset not in PRESETS:
+            raise AftgenError(f"unknown preset '{preset}'; choose one of: {', '.join(PRESETS)}")
+        sizes = {name: value for name, value in PRESETS[preset].items() if name != "batch_size"}
+        return cls(vocab_size=vocab_size, **sizes | changes)
 
     def approximate_parameters(self) -> int:
         """Embedding plus the blocks' matrices and position biases (within a few percent)."""
@@ -100,6 +111,18 @@ class AFTConfig:
         return cls(**data)
 
 
+def _is_a(value: object, annotation: object) -> bool:
+    """Whether a parsed JSON value fits a field's annotation (int | None, float, ...); bools are not numbers."""
+    accepted = typing.get_args(annotation) or (annotation,)
+    if isinstance(value, bool):
+        return bool in accepted
+    return isinstance(value, accepted) or (float in accepted and isinstance(value, int))
+
+
+def _type_name(annotation: object) -> str:
+    return " or ".join(getattr(t, "__name__", str(t)) for t in typing.get_args(annotation) or (annotation,))
+
+
 class MLP(nn.Module):
     def __init__(self, config: AFTConfig):
         super().__init__()
@@ -108,14 +131,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.up(x)))
-
-
-def make_mixer(config: AFTConfig) -> nn.Module:
-    """The token mixer config.mixer names (all share forward(x, state, return_state, last_only) / step / initial_state)."""
-    if config.mixer == "attention":
-        return AttentionMixer(config.n_embd, config.n_head)
-    window = {"aft_local": config.window, "aft_simple": 0, "aft_full": config.context_length}[config.mixer]
-    return AFTLocalMixer(config.n_embd, config.n_head, window, config.context_length, config.decay)
 
 
 class Block(nn.Module):
@@ -162,6 +177,13 @@ class AFTLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def decayed_parameters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(parameters AdamW should decay, the rest): matrices, less those the mixers exempt (position biases)."""
+        exempt = {id(getattr(b.mixer, name)) for b in self.blocks for name in b.mixer.no_weight_decay}
+        decayed = [p for p in self.parameters() if p.dim() >= 2 and id(p) not in exempt]
+        kept = {id(p) for p in decayed}
+        return decayed, [p for p in self.parameters() if id(p) not in kept]
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.ln_out(x), self.embed.weight)  # tied input/output embeddings
 
@@ -205,12 +227,14 @@ class AFTLM(nn.Module):
         return self._logits(x), state
 
 
-def clone_state(state: ModelState, repeat: int = 1) -> ModelState:
-    """A copy of a state, each sequence repeated `repeat` times along the batch."""
-    return [
-        {name: t.clone() if t.dim() == 0 else t.repeat_interleave(repeat, dim=0) for name, t in layer.items()}
-        for layer in state
-    ]
+def clone_state(state: ModelState) -> ModelState:
+    """An independent copy of a state."""
+    return [{name: tensor.clone() for name, tensor in layer.items()} for layer in state]
+
+
+def tokens_read(state: ModelState) -> int:
+    """How many tokens a state has read (every layer has read the same)."""
+    return int(state[0]["position"])
 
 
 StepFunction = Callable[[torch.Tensor, ModelState], tuple[torch.Tensor, ModelState]]
@@ -218,38 +242,32 @@ PrefillFunction = Callable[..., tuple[torch.Tensor, ModelState]]
 
 
 def _compiled(function: Callable, warm_up: Callable[[Callable], object]) -> tuple[Callable, str]:
-    """`function` through torch.compile, warmed up by `warm_up(compiled)`; `function` itself where no compiler works.
+    """`function` compiled into fused kernels and warmed up by `warm_up(compiled)`, or `function` itself
+    where no compiler works; and a note of what happened.
 
-    Eager PyTorch spends much of a small model's time in per-op overhead and separate pointwise
-    passes; inductor fuses that work into a few C++ kernels around the matrix products. The compile
-    (tens of seconds the first time, a few once PyTorch's on-disk cache holds it) is paid here, on
-    scratch inputs, so it never lands inside a generation. Returns the function and a note of what happened.
+    The compile (tens of seconds the first time, a few once PyTorch's on-disk cache holds it) is
+    paid here, on scratch inputs, so it never lands inside a generation.
     """
     start = time.perf_counter()
-    compiled = torch.compile(function, fullgraph=True, dynamic=False)
-    try:
-        with torch.inference_mode():  # the mode generation runs in: compiled graphs are specific to it
-            warm_up(compiled)
-    except Exception as exc:  # no C++ compiler, a mixer that cannot be traced, ...: eager still works
-        return function, f"eager (torch.compile failed: {type(exc).__name__})"
+    compiled = Compiled(function, fullgraph=True, dynamic=False)
+    with torch.inference_mode():  # the mode generation runs in: compiled graphs are specific to it
+        warm_up(compiled)
+    if compiled.failure is not None:
+        return function, f"eager (torch.compile failed: {compiled.failure})"
     return compiled, f"compiled in {time.perf_counter() - start:.1f} s"
 
 
 def compile_step(model: AFTLM, batch_size: int = 1) -> tuple[StepFunction, str]:
     """`model.step` compiled for `batch_size` sequences (see _compiled), and a note of what happened."""
-    device = model.embed.weight.device
-    return _compiled(
-        model.step,
-        lambda step: step(torch.zeros(batch_size, dtype=torch.long, device=device), model.initial_state(batch_size)),
-    )
+    ids = torch.zeros(batch_size, dtype=torch.long, device=model.embed.weight.device)
+    return _compiled(model.step, lambda step: step(ids, model.initial_state(batch_size)))
 
 
 def compile_prefill(model: AFTLM, length: int) -> tuple[PrefillFunction, str]:
     """`model.prefill` compiled for chunks of exactly `length` tokens at batch 1 continuing a state
     (how long texts are read), and a note of what happened. Use `model.prefill` for other shapes:
     each new shape would compile anew."""
-    device = model.embed.weight.device
-    ids = torch.zeros(1, length, dtype=torch.long, device=device)
+    ids = torch.zeros(1, length, dtype=torch.long, device=model.embed.weight.device)
 
     def warm_up(prefill: Callable) -> None:
         _, state = model.prefill(ids, model.initial_state(1), last_only=True)  # a state like every later one

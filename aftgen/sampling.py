@@ -21,6 +21,8 @@ PROMPT_CHUNK = 1024  # tokens read per parallel pass: long texts go in chunks, i
 
 @dataclass
 class SamplingOptions:
+    """How to pick tokens (llama.cpp / transformers names and meanings), and how many continuations."""
+
     max_new_tokens: int = 200  # -1: until stopped
     temperature: float = 0.8
     top_k: int = 0  # 0: off
@@ -30,6 +32,7 @@ class SamplingOptions:
     repeat_last_n: int = 64
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    num_samples: int = 1  # continuations of one prompt
 
     def check(self) -> None:
         """Refuse values outside their meaning, before any work."""
@@ -47,6 +50,8 @@ class SamplingOptions:
             raise AftgenError(f"--repeat-penalty must be > 0, got {self.repeat_penalty}")
         if not 0 <= self.repeat_last_n <= MAX_REPEAT_LAST_N:
             raise AftgenError(f"--repeat-last-n must be between 0 and {MAX_REPEAT_LAST_N}, got {self.repeat_last_n}")
+        if self.num_samples < 1:
+            raise AftgenError(f"--num-samples must be >= 1, got {self.num_samples}")
         if any(not s for s in self.stop):
             raise AftgenError("--stop strings must not be empty")
 
@@ -225,14 +230,14 @@ def sample_text(
     tokenizer: Tokenizer,
     context: Context,
     options: SamplingOptions,
-    num_samples: int = 1,
     step: StepFunction | None = None,
     final: bool = True,
 ) -> Iterator[Iterator[str]]:
-    """`num_samples` continuations of one context (a prompt read once by `read_prompt`, its state shared).
+    """`options.num_samples` continuations of one context (a prompt read once by `read_prompt`, its state shared).
 
     One sample advances `context` itself (so the caller can save it); several each start from a copy.
     """
     options.check()
-    for _ in range(num_samples):
-        yield generate(model, tokenizer, context.fork() if num_samples > 1 else context, options, step, final)
+    several = options.num_samples > 1
+    for _ in range(options.num_samples):
+        yield generate(model, tokenizer, context.fork() if several else context, options, step, final)

@@ -10,8 +10,6 @@ middle of a run changes nothing about what comes next. The metadata names the mo
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
 from pathlib import Path
 
 import torch
@@ -19,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from aftgen.checkpoint import safetensors_metadata
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_write
 from aftgen.model import AFTLM
@@ -65,13 +64,6 @@ def save_state(path: Path | str, context: Context, model: AFTLM, tokenizer: Toke
     atomic_write(path, save_safetensors({name: t.cpu() for name, t in tensors.items()}, metadata=metadata))
 
 
-def _metadata(data: bytes) -> dict:
-    """The __metadata__ of a safetensors file (8-byte little-endian header length, then JSON)."""
-    (length,) = struct.unpack("<Q", data[:8])
-    metadata = json.loads(data[8 : 8 + length].decode("utf-8")).get("__metadata__")
-    return metadata if isinstance(metadata, dict) else {}
-
-
 def load_state(path: Path | str, model: AFTLM, tokenizer: Tokenizer) -> Context:
     """Read a state file written by `save_state` for this very model and tokenizer."""
     path = Path(path)
@@ -80,9 +72,9 @@ def load_state(path: Path | str, model: AFTLM, tokenizer: Tokenizer) -> Context:
     except OSError as exc:
         raise AftgenError(f"{path}: cannot read state file ({exc.strerror})") from None
     try:
-        metadata = _metadata(data)
+        metadata = safetensors_metadata(data)
         tensors = load_safetensors(data)
-    except (struct.error, ValueError, UnicodeDecodeError, AttributeError, SafetensorError):
+    except (ValueError, AttributeError, SafetensorError):
         raise AftgenError(f"{path}: not an aftgen state file, or a truncated one") from None
     if metadata.get("format") != FORMAT:
         raise AftgenError(f"{path}: not an aftgen state file")

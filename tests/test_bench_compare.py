@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from aftgen.bench import _with_ratios, comparison_targets, probe
+from aftgen.bench.mixers import comparison_targets, probe, with_ratios
 from aftgen.cli import app
-from aftgen.model import MIXERS
+from aftgen.mixers import MIXERS
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
@@ -28,7 +28,7 @@ def test_ratios_are_against_attention_at_the_same_length_and_targets_read_them()
             ("attention", 4096, 100.0),
         ]
     ]
-    _with_ratios(rows)
+    with_ratios(rows)
     assert [r["vs_attention"] for r in rows] == [1.5, 1.0, 5.0, 1.0]
     targets = {t["measure"]: t for t in comparison_targets(rows)}
     assert targets["train tokens/s aft_local / attention, T=1024"]["ok"] is True  # 1.5 >= 1.4
@@ -37,11 +37,11 @@ def test_ratios_are_against_attention_at_the_same_length_and_targets_read_them()
 
 
 def test_bench_train_takes_turns_over_all_configurations_and_keeps_each_ones_fastest_round(monkeypatch):
-    import aftgen.bench
+    from aftgen.bench import mixers
 
     calls = []
 
-    def fake_probe(kind, mixer, length, repeats):
+    def fake_probe(function, kind, mixer, length, repeats, threads):
         calls.append((kind, mixer, length))
         round_number = calls.count((kind, mixer, length))
         # aft_local is slowed in round 1 (a busy spell), attention in round 2
@@ -54,9 +54,9 @@ def test_bench_train_takes_turns_over_all_configurations_and_keeps_each_ones_fas
             "batch": 4096 // length,
         }
 
-    monkeypatch.setattr(aftgen.bench, "_probe_in_subprocess", fake_probe)
-    rows = aftgen.bench.bench_train(("aft_local", "attention"), repeats=1, rounds=2, log=lambda _: None)
-    per_round = len(aftgen.bench.TRAIN_LENGTHS) * 2 * 2
+    monkeypatch.setattr(mixers, "in_fresh_process", fake_probe)
+    rows = mixers.bench_train(("aft_local", "attention"), repeats=1, rounds=2, log=lambda _: None)
+    per_round = len(mixers.TRAIN_LENGTHS) * 2 * 2
     assert len(calls) == 2 * per_round and calls[:per_round] == calls[per_round:]  # whole rounds, in turn
     steps = [r for r in rows if r["measure"] == "train step"]
     assert {r["value"] for r in steps} == {4096.0}  # each mixer's undisturbed round
@@ -87,11 +87,11 @@ def test_bench_generate_refuses_bad_model_choices_in_one_line(args, message):
 def test_plot_without_matplotlib_is_refused_before_any_benchmark(monkeypatch, tmp_path):
     import sys
 
-    import aftgen.bench
+    from aftgen.bench import mixers
 
     ran = []
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    monkeypatch.setattr(aftgen.bench, "bench_train", lambda *a, **k: ran.append(1) or [])
+    monkeypatch.setattr(mixers, "bench_train", lambda *a, **k: ran.append(1) or [])
     result = CliRunner().invoke(app, ["bench", "train", "--plot", str(tmp_path / "p.png")])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == ["error: --plot needs matplotlib: pip install 'aftgen[plot]'"]
@@ -100,13 +100,13 @@ def test_plot_without_matplotlib_is_refused_before_any_benchmark(monkeypatch, tm
 
 def test_bench_generate_reports_every_measure_and_judges_its_targets(monkeypatch):
     # Short contexts and runs, and the eager step (as where no compiler works): the rows, not the speed.
-    import aftgen.bench as bench
+    from aftgen.bench import generate as bench
     from aftgen.model import AFTLM, AFTConfig
 
     monkeypatch.setattr(bench, "CONTEXTS", (64, 96, 128, 160))
     monkeypatch.setattr(bench, "GENERATED", (200, 600))
     monkeypatch.setattr(bench, "STRETCH", 100)
-    monkeypatch.setattr(bench, "GENERATE_ROUNDS", 3)
+    monkeypatch.setattr(bench, "ROUNDS", 3)
     monkeypatch.setattr(bench, "compile_step", lambda model: (model.step, "eager (test)"))
     monkeypatch.setattr(bench, "compile_prefill", lambda model, length: (model.prefill, "eager (test)"))
     model = AFTLM(AFTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=2, window=8, context_length=32)).eval()

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from aftgen import data
 from aftgen.api import load
 from aftgen.checkpoint import load_checkpoint, save_checkpoint
-from aftgen.device import Placement, compiled, resolve
+from aftgen.device import Compiled, Placement, resolve
 from aftgen.errors import AftgenError
-from aftgen.mixer import AFTLocalMixer
+from aftgen.mixers import AFTMixer
 from aftgen.training import TrainOptions, train
 
 # Dropout 0 (the tiny preset's), so the only difference between the runs is float rounding.
@@ -99,7 +99,7 @@ def test_ranks_split_one_global_batch(corpus):
 
 def test_mixer_math_stays_fp32_under_autocast(monkeypatch):
     """Autocast would run the mixer's einsums in bf16; the mixer must switch it off around them."""
-    import aftgen.mixer as mixer_module
+    import aftgen.mixers.aft as mixer_module
 
     seen = []
     for name in ("aft_parallel", "aft_step"):
@@ -110,7 +110,7 @@ def test_mixer_math_stays_fp32_under_autocast(monkeypatch):
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(mixer_module, name, spy)
-    mixer = AFTLocalMixer(16, 2, window=4, context_length=16, decay=True)
+    mixer = AFTMixer(16, 2, window=4, context_length=16, decay=True)
     with torch.no_grad(), Placement(torch.device("cpu"), torch.bfloat16).autocast():
         y, state = mixer(torch.randn(2, 10, 16), return_state=True)
         z = mixer.step(torch.randn(2, 16), state)
@@ -179,7 +179,7 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
     monkeypatch.setattr(torch, "compile", broken_compile)
     warnings: list[str] = []
     layer = torch.nn.Linear(2, 2)
-    run = compiled(layer, warnings.append)
+    run = Compiled(layer, lambda why: warnings.append(f"warning: --compile failed ({why}); running eagerly"))
     x = torch.ones(1, 2)
     assert torch.equal(run(x), layer(x)) and torch.equal(run(x), layer(x))
     assert len(warnings) == 1 and "no C++ compiler found" in warnings[0] and "\n" not in warnings[0]

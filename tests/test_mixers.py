@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
-from reference import naive_aft
 from typer.testing import CliRunner
 
 from aftgen.cli import app
-from aftgen.mixer import aft_parallel, soft_cap
-from aftgen.model import AFTLM, MIXERS, AFTConfig
+from aftgen.mixers import MIXERS
+from aftgen.mixers.aft import aft_naive, aft_parallel, soft_cap
+from aftgen.model import AFTLM, AFTConfig
 
 AFT_MIXERS = [m for m in MIXERS if m != "attention"]
 runner = CliRunner()
@@ -87,7 +87,7 @@ def test_aft_mixers_match_the_naive_formula(mixer):
         q, k, v = mixer_module._qkv(x)
         w, decay = soft_cap(mixer_module.w), mixer_module.decay()
         y, _ = aft_parallel(q, k, v, w, decay, chunk=mixer_module.chunk)
-    assert (y.double() - naive_aft(q, k, v, w, decay)).abs().max() < 1e-5
+    assert (y.double() - aft_naive(q, k, v, w, decay)).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("s,T,chunk", [(5, 40, 8), (0, 21, 4), (4, 33, 4), (6, 13, 16)])
@@ -99,7 +99,7 @@ def test_hand_written_backward_matches_autograd_of_the_naive_formula(s, T, chunk
     ]
     weights = torch.randn(2, T, 3, 4, generator=g)  # a loss that weighs every output differently
     grads = []
-    for mix in (lambda *a: aft_parallel(*a, chunk=chunk)[0], naive_aft):
+    for mix in (lambda *a: aft_parallel(*a, chunk=chunk)[0], aft_naive):
         leaves = [t.double().requires_grad_() for t in inputs]
         q, k, v, w, decay = leaves
         (mix(q, soft_cap(k * 3), v, soft_cap(w * 2), decay) * weights).sum().backward()

@@ -26,11 +26,20 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import aftgen
-from aftgen.checkpoint import CHECKPOINT_FILES, CONFIG, TOKENIZER, WEIGHTS, load_checkpoint, read_config
+from aftgen.checkpoint import (
+    CHECKPOINT_FILES,
+    CONFIG,
+    TOKENIZER,
+    TRAINING_INFO,
+    TRAINING_STATE,
+    WEIGHTS,
+    load_checkpoint,
+    read_config,
+)
 from aftgen.cli import app
 from aftgen.errors import AftgenError
 from aftgen.model import MAX_PARAMETERS, AFTConfig
-from aftgen.training import TRAINING_INFO, TRAINING_STATE, TrainingInterrupted
+from aftgen.training import TrainingInterrupted
 
 runner = CliRunner()
 SOURCE = Path(aftgen.__file__).parent
@@ -306,7 +315,7 @@ OPTION_CASES = [
     (["--preset", "huge"], "unknown preset 'huge'"),
     (["--max-time", "-5"], "duration must be positive"),
     (["--max-time", "soon"], "cannot read duration"),
-    (["--errors", "maybe"], "--errors must be strict, replace or ignore"),
+    (["--errors", "maybe"], "unknown --errors 'maybe'"),
     (["--warmup-steps", "-1"], "--warmup-steps must not be negative"),
     (["--vocab-size", "10"], "at least 260"),
     (["--tokenizer-type", "wordpiece"], "unknown tokenizer type"),
@@ -609,7 +618,7 @@ def test_atomic_writes_get_the_permissions_a_plain_open_would(tmp_path):
 
 READ_CHUNKS = """
 import json, resource, sys, torch
-from aftgen.bench import memory_mb
+from aftgen.bench.measure import memory_mb
 from aftgen.device import reuse_freed_memory
 from aftgen.model import AFTLM, AFTConfig
 if sys.argv[1] == "reuse":

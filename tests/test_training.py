@@ -10,10 +10,9 @@ import torch.nn.functional as F
 from conftest import train_tiny
 from safetensors.torch import load_file
 
-from aftgen import training
-from aftgen.checkpoint import WEIGHTS, load_checkpoint
+from aftgen import evaluate
+from aftgen.checkpoint import TRAINING_INFO, TRAINING_STATE, WEIGHTS, load_checkpoint
 from aftgen.model import AFTLM, AFTConfig
-from aftgen.training import TRAINING_INFO, TRAINING_STATE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def scripted_held_out(monkeypatch, scores: list[float]) -> None:
     """Make the quick held-out check return `scores` in turn (real training, chosen verdicts)."""
     remaining = iter(scores)
-    monkeypatch.setattr(training, "_held_out_loss", lambda *args: next(remaining))
+    monkeypatch.setattr(evaluate, "window_loss", lambda *args: next(remaining))
 
 
 def test_keep_best_publishes_the_best_scoring_weights(tmp_path, corpus, tiny_run, monkeypatch):
@@ -98,4 +97,4 @@ def test_held_out_check_over_many_windows_is_the_plain_mean(tmp_path):
     rows = torch.stack([ids[i * stride : i * stride + length + 1] for i in range(windows)])
     with torch.no_grad():
         expected = F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
-    assert training._held_out_loss(model, ids, length, windows) == pytest.approx(float(expected), rel=1e-5)
+    assert evaluate.window_loss(model, ids, length, windows) == pytest.approx(float(expected), rel=1e-5)

@@ -1,0 +1,142 @@
+"""`aftgen bench ...`: the benchmarks' commands (registered on the main app with add_typer)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from aftgen.cli.common import command, progress, require_file, set_up_torch
+from aftgen.errors import AftgenError
+
+bench_app = typer.Typer(help="Measure speed and memory on this machine (no subcommand: `bench all`).")
+AsJson = Annotated[bool, typer.Option("--json", help="One JSON object per row on stdout.")]
+PlotFile = Annotated[
+    Path | None, typer.Option("--plot", help="Also draw the rows to this PNG (needs matplotlib: aftgen\\[plot]).")
+]
+Corpus = Annotated[Path | None, typer.Option("--corpus", help="Text for the quality rows (left out without it).")]
+QualityTime = Annotated[float, typer.Option("--quality-time", help="Training seconds per mixer for the quality rows.")]
+
+
+def _report(rows: list, as_json: bool, plot: Path | None) -> None:
+    from aftgen.bench.mixers import comparison_targets
+    from aftgen.bench.report import plot_comparison, print_comparison
+
+    rows = rows + comparison_targets(rows)
+    print_comparison(rows, as_json)
+    if plot is not None:
+        plot_comparison(rows, plot)
+        print(f"plot: {plot}", file=sys.stderr)
+
+
+def _check_plot(plot: Path | None) -> None:
+    """--plot without matplotlib is refused before the benchmark runs, not after it."""
+    from aftgen.bench.report import pyplot
+
+    if plot is not None:
+        pyplot()
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench_main(
+    ctx: typer.Context, corpus: Corpus = None, quality_time: QualityTime = 40.0, as_json: AsJson = False,
+    plot: PlotFile = None,
+) -> None:  # fmt: skip
+    """Every mixer side by side: training speed and memory, decode latency, held-out quality."""
+    if ctx.invoked_subcommand is None:
+        bench_all(corpus, quality_time, as_json, plot)
+
+
+@bench_app.command("all")
+@command
+def bench_all(
+    corpus: Corpus = None, quality_time: QualityTime = 40.0, as_json: AsJson = False, plot: PlotFile = None
+) -> None:
+    """train + decode (+ quality with --corpus) in one run: the paper's comparison on this machine."""
+    import torch
+
+    from aftgen.bench.mixers import bench_decode, bench_quality, bench_train
+    from aftgen.mixers import MIXERS
+
+    require_file(corpus, "file")
+    _check_plot(plot)
+    set_up_torch()
+    progress(f"bench: {', '.join(MIXERS)}; {torch.get_num_threads()} threads; ratios against attention")
+    rows = bench_train(MIXERS, repeats=1, rounds=2, log=progress) + bench_decode(repeats=50, log=progress)
+    if corpus is None:
+        progress("quality rows left out: pass --corpus FILE (e.g. Tiny Shakespeare)")
+    else:
+        rows += bench_quality(corpus, quality_time, MIXERS, log=progress)
+    _report(rows, as_json, plot)
+
+
+@bench_app.command("train")
+@command
+def bench_train_command(
+    repeats: Annotated[int, typer.Option(help="Timed steps per configuration and round (the fastest counts).")] = 3,
+    rounds: Annotated[int, typer.Option(help="Rounds over all configurations in turn (the fastest round counts).")] = 3,
+    as_json: AsJson = False,
+    plot: PlotFile = None,
+) -> None:
+    """Training-step tokens/s and peak memory at T = 256, 1024, 4096 (equal tokens per step), and the mixer alone."""
+    from aftgen.bench.mixers import bench_train
+    from aftgen.mixers import MIXERS
+
+    _check_plot(plot)
+    set_up_torch()
+    _report(bench_train(MIXERS, repeats, rounds, log=progress), as_json, plot)
+
+
+@bench_app.command("decode")
+@command
+def bench_decode_command(as_json: AsJson = False, plot: PlotFile = None) -> None:
+    """aft_local's recurrent step against attention's KV cache: latency and state size after 1k, 8k, 32k tokens."""
+    from aftgen.bench.mixers import bench_decode
+
+    _check_plot(plot)
+    set_up_torch()
+    _report(bench_decode(log=progress), as_json, plot)
+
+
+@bench_app.command("quality")
+@command
+def bench_quality_command(
+    corpus: Annotated[Path, typer.Argument(help="UTF-8 text; the last 10% is held out.")],
+    seconds: Annotated[float, typer.Option("--time", help="Training wall time per mixer, in seconds.")] = 150.0,
+    as_json: AsJson = False,
+) -> None:
+    """Train every mixer for the same wall time on the same split; held-out nats/char and bits/char."""
+    from aftgen.bench.mixers import bench_quality
+    from aftgen.mixers import MIXERS
+
+    require_file(corpus, "file")
+    set_up_torch()
+    _report(bench_quality(corpus, seconds, MIXERS, log=progress), as_json, None)
+
+
+@bench_app.command("generate")
+@command
+def bench_generate_command(
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Time this checkpoint (folder or Hub id).")] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(help="Time a randomly initialised model of this preset (default: small, `aftgen train`'s size)."),
+    ] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Per-token latency after 1k-100k tokens of context, ingestion speed, memory, and the matvec floor."""
+    import torch
+
+    from aftgen.api import load
+    from aftgen.bench.generate import bench_generate, random_model
+    from aftgen.bench.report import print_rows
+
+    if model is not None and preset is not None:
+        raise AftgenError("give --model or --preset, not both")
+    set_up_torch()
+    # Timing depends on the sizes, not on the weights: random ones serve, and need no checkpoint.
+    lm = load(model)[0] if model is not None else random_model(preset or "small")
+    progress(f"bench generate: {lm.num_parameters():,} parameters, {torch.get_num_threads()} threads")
+    print_rows(bench_generate(lm, log=progress), as_json)

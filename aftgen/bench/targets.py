@@ -1,0 +1,42 @@
+"""Every pass/fail target the benchmarks judge, in one table: what is compared, and the bound."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+Row = dict  # {"measure", "value", "unit", ...; "target" and "ok" on judged rows}
+RELATIONS: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": operator.ge, "==": operator.eq}
+
+
+@dataclass(frozen=True)
+class Target:
+    measure: str  # the row's label
+    unit: str
+    relation: str  # "<=", ">=" or "=="
+    bound: float
+
+    def judge(self, value: float) -> Row:
+        """A row holding `value` and whether it meets the target."""
+        meets = RELATIONS[self.relation](value, self.bound)
+        goal = f"{self.relation} {self.bound:g}"
+        return {"measure": self.measure, "value": round(value, 4), "unit": self.unit, "target": goal, "ok": meets}
+
+
+TARGETS: dict[str, Target] = {
+    # bench generate: the recurrent decoder at batch 1
+    "latency growth": Target("latency after 100k / after 1k", "x", "<=", 1.10),
+    "memory growth": Target("peak memory growth, 1k -> 100k generated", "MB", "<=", 5),
+    "ingestion speed-up": Target("ingestion speed-up per token vs stepping", "x", ">=", 20),
+    "step over floor": Target("step latency / floor", "x", "<=", 3),
+    # bench (all): aft_local against attention at the same width and depth
+    "train T=256": Target("train tokens/s aft_local / attention, T=256", "x", ">=", 1.0),
+    "train T=1024": Target("train tokens/s aft_local / attention, T=1024", "x", ">=", 1.4),
+    "train T=4096": Target("train tokens/s aft_local / attention, T=4096", "x", ">=", 2.5),
+    "train memory T=4096": Target("train peak memory aft_local / attention, T=4096", "x", "<=", 0.5),
+    "mixer time T=1024": Target("mixer fwd+bwd time aft_local / attention, T=1024", "x", "<=", 0.5),
+    "decode after 32k": Target("decode latency aft_local / attention, after 32k", "x", "<=", 0.125),
+    "quality": Target("held-out nats/char, aft_local minus attention", "nats/char", "<=", 0.03),
+    "decode state growth": Target("decode state growth aft_local, 1k -> 32k", "MB", "==", 0),
+}

@@ -1,0 +1,56 @@
+"""Model cards: the README.md of a checkpoint, in the Hugging Face Hub's format (YAML header, then Markdown)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aftgen.checkpoint import read_run_files
+from aftgen.model import AFTConfig
+
+
+def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str = "") -> str:
+    """A Hub-style README.md for a run."""
+    last = metrics[-1] if metrics else {}
+    final = info.get("final_eval") or {}
+    lines = [
+        "---",
+        "library_name: aftgen",
+        "license: mit",
+        "tags: [aftgen, attention-free-transformer, text-generation]",
+        "---",
+        f"# {info.get('name', 'aftgen model')}",
+        "",
+        "A causal AFT-local language model (Attention Free Transformer, Zhai et al. 2021) trained with",
+        "aftgen. It generates through a recurrent decoder whose memory and per-token cost stay constant",
+        "however long the context grows.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| parameters | {info.get('parameters', '?'):,} |"
+        if isinstance(info.get("parameters"), int)
+        else "| parameters | ? |",
+        f"| layers / width / heads | {config.n_layer} / {config.n_embd} / {config.n_head} |",
+        f"| mixer / window / training length | {config.mixer} / {config.window} / {config.context_length} tokens |",
+        f"| vocabulary | {config.vocab_size} ({info.get('tokenizer_type', '?')}) |",
+        f"| steps / wall time | {info.get('step', '?')} / {info.get('elapsed', 0):.0f} s |",
+    ]
+    best = info.get("best")
+    if best and info.get("options", {}).get("keep_best"):
+        lines.append(f"| weights kept | step {best['step']}: the best held-out check during training |")
+    if final:
+        lines.append(
+            f"| held-out (last 10%) | {final['nats_per_char']:.4f} nats/char, {final['bits_per_char']:.4f} bits/char |"
+        )
+    elif last:
+        lines.append(f"| held-out (quick eval) | {last['held_out_nats_per_char']:.4f} nats/char |")
+    lines += ["", "Trained with:", "", "```", info.get("command", "aftgen train ..."), "```", ""]
+    lines += ["Use it:", "", "```", 'aftgen sample --model PATH_OR_HUB_ID --prompt "..."', "```", ""]
+    if sample:
+        lines += ["A sample:", "", "```", sample, "```", ""]
+    return "\n".join(lines)
+
+
+def run_card(folder: Path, config: AFTConfig, sample: str = "") -> str:
+    """The model card of the run in `folder`, from its training.json and metrics.jsonl (either may be absent)."""
+    info, metrics = read_run_files(folder)
+    return model_card(config, info, metrics, sample)

@@ -1,0 +1,57 @@
+"""The `aftgen` command line: a thin layer over the library. Data on stdout, everything else on stderr.
+
+One module per group of commands; each command turns its options into the library's option
+dataclasses (their defaults are the CLI's) and calls the library.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Annotated
+
+import typer
+
+from aftgen.bench.cli import bench_app
+from aftgen.cli import evaluate, generate, hub, train
+from aftgen.cli.common import DEBUG_VARIABLE
+
+app = typer.Typer(
+    help="Train Attention Free Transformer language models on any text and sample from them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+
+@app.callback()
+def main(
+    debug: Annotated[
+        bool, typer.Option("--debug", envvar=DEBUG_VARIABLE, help="Show full tracebacks for internal errors.")
+    ] = False,
+) -> None:
+    if debug:  # for the commands' error handler (aftgen.cli.common.command)
+        os.environ[DEBUG_VARIABLE] = "1"
+
+
+app.command()(train.train)
+app.command()(generate.sample)
+app.command()(generate.prime)
+app.command()(generate.chat)
+app.command("eval")(evaluate.evaluate)
+app.command()(hub.pull)
+app.command()(hub.push)
+app.add_typer(bench_app, name="bench")
+
+
+def run() -> None:
+    """Console entry point: a Ctrl-C that lands outside a command (start-up, exit) still exits 130 quietly."""
+    try:
+        app(prog_name="aftgen")
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    finally:  # every file is already complete; a Ctrl-C during interpreter shutdown must not kill it by signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

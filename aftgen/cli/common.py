@@ -1,0 +1,121 @@
+"""What every command shares: one-line errors, the hardware options, and options built from dataclasses."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+import typer
+
+from aftgen.errors import AftgenError
+
+MODEL_PANEL, TRAIN_PANEL, DATA_PANEL, SAMPLE_PANEL = "Model size", "Training", "Data", "Sampling"
+STATE_PANEL, HARDWARE_PANEL = "State files", "Hardware"
+DEBUG_VARIABLE = "AFTGEN_DEBUG"
+
+DeviceOption = Annotated[
+    str,
+    typer.Option(help="auto (CUDA, then MPS, then CPU) | cpu | cuda | cuda:N | mps.", rich_help_panel=HARDWARE_PANEL),
+]
+DtypeOption = Annotated[
+    str,
+    typer.Option(
+        help="auto | fp32 | bf16 | fp16: mixed-precision autocast (weights stay fp32). "
+        "auto: bf16 on GPUs that have it, else fp32.",
+        rich_help_panel=HARDWARE_PANEL,
+    ),
+]
+ThreadsOption = Annotated[
+    int | None,
+    typer.Option(
+        help="CPU threads (default: the physical cores, shared among torchrun's processes).",
+        rich_help_panel=HARDWARE_PANEL,
+    ),
+]
+ModelOption = Annotated[
+    str | None, typer.Option("--model", "-m", help="Checkpoint folder or Hub id (default: the shipped model).")
+]
+
+Options = TypeVar("Options")
+
+
+def fail(message: str, code: int = 2) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+def command(func):
+    """Turn the tool's own errors into one line and exit 2; anything unexpected into one line plus a log."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except AftgenError as exc:
+            fail(str(exc))
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            raise typer.Exit(130) from None
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # reader went away: quietly stop
+            raise typer.Exit(0) from None
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as exc:
+            if _debugging():
+                raise
+            fail(f"internal error: {type(exc).__name__}: {exc} (traceback in {_crash_log()}; --debug shows it)", 1)
+
+    return wrapper
+
+
+def _debugging() -> bool:
+    """Whether `aftgen --debug` (or AFTGEN_DEBUG=1) asked for tracebacks."""
+    return os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+
+
+def _crash_log() -> str:
+    fd, path = tempfile.mkstemp(prefix="aftgen-crash-", suffix=".log")
+    with os.fdopen(fd, "w") as log:
+        traceback.print_exc(file=log)
+    return path
+
+
+def options_from(cls: type[Options], parameters: dict, **overrides) -> Options:
+    """The dataclass `cls` built from a command's parameters (its `locals()`) of the same names. The
+    CLI's defaults are the dataclass's own, so every option and default has one home."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{name: value for name, value in parameters.items() if name in names} | overrides)
+
+
+def set_up_torch(threads: int | None = None) -> None:
+    """Set torch's CPU threads and keep freed memory for reuse; called before any torch work, since
+    torch fixes its threads on first use."""
+    from aftgen.device import reuse_freed_memory, set_threads
+
+    reuse_freed_memory()
+    set_threads(threads)
+
+
+def placement(device: str, dtype: str, threads: int | None):
+    """Threads first, then the device and dtype: one call for every command that runs a model."""
+    from aftgen.device import resolve
+
+    set_up_torch(threads)
+    return resolve(device, dtype)
+
+
+def require_file(path: Path | None, what: str) -> None:
+    """Refuse a missing input file before any work (its contents are checked when read)."""
+    if path is not None and not path.is_file():
+        raise AftgenError(f"{path}: no such {what}")
+
+
+def progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,45 @@
+"""`aftgen eval`: a model's loss on a text file, in units that compare across tokenizers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from aftgen.cli.common import DeviceOption, DtypeOption, ThreadsOption, command, placement
+
+
+@command
+def evaluate(
+    file: Annotated[Path, typer.Argument(help="Text file to score.")],
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Checkpoint folder or Hub id.")] = None,
+    reset_every: Annotated[
+        int, typer.Option(help="Cut the context into independent windows of N tokens (0: one stream).")
+    ] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+    encoding: Annotated[str, typer.Option()] = "utf-8",
+    errors: Annotated[str, typer.Option()] = "strict",
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
+) -> None:
+    """Held-out loss of a model on a file: nats/token, nats/char, bits/char, bits/byte."""
+    from aftgen.api import load
+    from aftgen.data import read_text
+    from aftgen.evaluate import evaluate_text
+
+    text = read_text(file, encoding, errors)
+    where = placement(device, dtype, threads)
+    lm, tokenizer = load(model, where.device)
+    with where.autocast():
+        result = evaluate_text(lm, tokenizer, text, reset_every=reset_every)
+    if as_json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(
+            f"{result.nats_per_token:.4f} nats/token  {result.nats_per_char:.4f} nats/char  "
+            f"{result.bits_per_char:.4f} bits/char  {result.bits_per_byte:.4f} bits/byte  "
+            f"({result.tokens:,} tokens, {result.chars:,} chars)"
+        )

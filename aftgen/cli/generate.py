@@ -1,0 +1,220 @@
+"""`aftgen sample`, `prime` and `chat`: generation from the recurrent state, and state files."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from aftgen.cli.common import (
+    SAMPLE_PANEL,
+    STATE_PANEL,
+    DeviceOption,
+    DtypeOption,
+    ModelOption,
+    ThreadsOption,
+    command,
+    options_from,
+    placement,
+    require_file,
+)
+from aftgen.errors import AftgenError
+from aftgen.sampling import SamplingOptions as Defaults
+
+
+def _sampling(help: str, *names: str):
+    return typer.Option(*names, help=help, rich_help_panel=SAMPLE_PANEL)
+
+
+# Options shared by `sample` and `chat` (llama.cpp / transformers names and meanings).
+MaxNewTokens = Annotated[int, _sampling("-1: until stopped.", "--max-new-tokens", "-n")]
+Temperature = Annotated[float, _sampling("0: greedy.")]
+TopK = Annotated[int, _sampling("Keep the k likeliest tokens (0: off).")]
+TopP = Annotated[float, _sampling("Keep the smallest set reaching p.")]
+MinP = Annotated[float, _sampling("Drop tokens below min_p x the top probability.")]
+RepeatPenalty = Annotated[float, _sampling("Divide recent tokens' positive logits by this (1: off).")]
+RepeatLastN = Annotated[int, _sampling("How many recent tokens the penalty covers.")]
+Stop = Annotated[list[str] | None, _sampling("End before this string (repeatable).")]
+Seed = Annotated[int | None, _sampling("Random seed (with --load-state: replaces the saved generator).")]
+LoadState = Annotated[
+    Path | None, typer.Option(help="Continue from a state file (sample --save-state, prime).", rich_help_panel=STATE_PANEL)
+]
+SaveState = Annotated[
+    Path | None, typer.Option(help="Write the state after the run, to continue it later.", rich_help_panel=STATE_PANEL)
+]
+Compile = Annotated[
+    bool, typer.Option("--compile/--no-compile", help="torch.compile the step: seconds of warm-up, then ~3x faster.")
+]
+
+
+def _sampling_options(parameters: dict, stop: list[str] | None) -> Defaults:
+    options = options_from(Defaults, parameters, stop=tuple(stop or ()))
+    options.check()
+    return options
+
+
+def _load_for_generation(model: str | None, load_state: Path | None, compile_step: bool, where):
+    """(model, tokenizer, context or None, step function), telling stderr about the compile."""
+    from aftgen.api import load
+    from aftgen.model import compile_step as compiled
+    from aftgen.state import load_state as read_state
+
+    lm, tokenizer = load(model, where.device)
+    context = read_state(load_state, lm, tokenizer) if load_state else None
+    step = lm.step
+    if compile_step:
+        step, note = compiled(lm)
+        print(f"step: {note}", file=sys.stderr)
+    return lm, tokenizer, context, step
+
+
+def _prompt_text(prompt: str, prompt_file: Path | None) -> str:
+    """--prompt, --prompt - (stdin) or --prompt-file."""
+    if prompt_file is not None:
+        from aftgen.data import read_text
+
+        return read_text(prompt_file)
+    return sys.stdin.read() if prompt == "-" else prompt
+
+
+@command
+def sample(
+    model: ModelOption = None,
+    prompt: Annotated[str, _sampling("Text to continue; '-' reads stdin.", "--prompt", "-p")] = "",
+    prompt_file: Annotated[Path | None, _sampling("Read the prompt from a file.")] = None,
+    max_new_tokens: MaxNewTokens = Defaults.max_new_tokens,
+    temperature: Temperature = Defaults.temperature,
+    top_k: TopK = Defaults.top_k,
+    top_p: TopP = Defaults.top_p,
+    min_p: MinP = Defaults.min_p,
+    repeat_penalty: RepeatPenalty = Defaults.repeat_penalty,
+    repeat_last_n: RepeatLastN = Defaults.repeat_last_n,
+    stop: Stop = None,
+    num_samples: Annotated[int, _sampling("Continuations of one prompt.")] = Defaults.num_samples,
+    seed: Seed = Defaults.seed,
+    load_state: LoadState = None,
+    save_state: SaveState = None,
+    compile_step: Compile = False,
+    echo: Annotated[bool, typer.Option(help="Print the prompt before the continuation.")] = True,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
+) -> None:
+    """Continue a prompt, streaming text to stdout as it is made."""
+    from aftgen.sampling import read_prompt, sample_text
+    from aftgen.state import save_state as write_state
+
+    options = _sampling_options(locals(), stop)
+    if save_state is not None and num_samples > 1:
+        raise AftgenError("--save-state keeps one continuation; use it with --num-samples 1")
+    require_file(load_state, "state file")
+    prompt = _prompt_text(prompt, prompt_file)
+    where = placement(device, dtype, threads)
+    lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step, where)
+    with where.autocast():
+        context = read_prompt(lm, tokenizer, prompt, context, options.seed)
+        # A run that will be continued keeps an unfinished last character for the next one.
+        runs = sample_text(lm, tokenizer, context, options, step, final=save_state is None)
+        _write_samples(runs, prompt if echo else "", save_state is None)
+    if save_state is not None:
+        write_state(save_state, context, lm, tokenizer)
+        print(f"state saved to {save_state}", file=sys.stderr)
+
+
+def _write_samples(runs, prompt: str, newline: bool) -> None:
+    """Stream each continuation to stdout as it is made, separated by '---'."""
+    for index, pieces in enumerate(runs):
+        if index:
+            sys.stdout.write("\n\n---\n\n")
+        sys.stdout.write(prompt)
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        if newline:
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+@command
+def prime(
+    text_file: Annotated[Path, typer.Argument(help="Text to read (any length: read in chunks, constant memory).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="State file to write.")],
+    model: ModelOption = None,
+    seed: Seed = None,
+    encoding: Annotated[str, typer.Option()] = "utf-8",
+    errors: Annotated[str, typer.Option()] = "strict",
+    compile_prefill: Annotated[
+        bool,
+        typer.Option(
+            "--compile/--no-compile",
+            help="torch.compile the chunk reader: seconds of warm-up, then faster reading of long texts.",
+        ),
+    ] = False,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
+) -> None:
+    """Read a text once into a state file that `sample`/`chat --load-state` start from."""
+    from aftgen.data import read_text
+    from aftgen.model import compile_prefill as compiled
+    from aftgen.model import tokens_read
+    from aftgen.sampling import PROMPT_CHUNK, read_prompt
+    from aftgen.state import save_state as write_state
+
+    text = read_text(text_file, encoding, errors)
+    where = placement(device, dtype, threads)
+    lm, tokenizer, _, _ = _load_for_generation(model, None, False, where)
+    prefill = None
+    if compile_prefill:
+        prefill, note = compiled(lm, PROMPT_CHUNK)
+        print(f"prompt reading: {note}", file=sys.stderr)
+    start = time.perf_counter()
+    with where.autocast():
+        context = read_prompt(lm, tokenizer, text, None, seed, prefill)
+    elapsed = time.perf_counter() - start
+    write_state(out, context, lm, tokenizer)
+    tokens = tokens_read(context.state)
+    print(f"read {tokens:,} tokens in {elapsed:.1f} s ({tokens / elapsed:,.0f} tokens/s)", file=sys.stderr)
+    print(out)
+
+
+@command
+def chat(
+    model: ModelOption = None,
+    max_new_tokens: MaxNewTokens = Defaults.max_new_tokens,
+    temperature: Temperature = Defaults.temperature,
+    top_k: TopK = Defaults.top_k,
+    top_p: TopP = Defaults.top_p,
+    min_p: MinP = Defaults.min_p,
+    repeat_penalty: RepeatPenalty = Defaults.repeat_penalty,
+    repeat_last_n: RepeatLastN = Defaults.repeat_last_n,
+    stop: Annotated[
+        list[str] | None, _sampling("End a reply before this string (repeatable; default: a blank line).")
+    ] = None,
+    seed: Seed = Defaults.seed,
+    load_state: LoadState = None,
+    save_state: SaveState = None,
+    compile_step: Compile = False,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
+) -> None:
+    """Talk to a model: each line you type is read into the running state and the model answers.
+
+    History is never re-read, so turns stay as fast as the first. Ctrl-C stops a reply, Ctrl-D ends.
+    """
+    from aftgen.chat import REPLY_END, run_chat
+    from aftgen.state import save_state as write_state
+
+    options = _sampling_options(locals(), stop or [REPLY_END])
+    require_file(load_state, "state file")
+    where = placement(device, dtype, threads)
+    lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step, where)
+    with where.autocast():
+        context = run_chat(lm, tokenizer, options, context, step)
+    if save_state is not None and context is not None:
+        write_state(save_state, context, lm, tokenizer)
+        print(f"state saved to {save_state}", file=sys.stderr)

@@ -1,0 +1,105 @@
+"""`aftgen train`: the options of aftgen.training.TrainOptions on the command line."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from aftgen.cli.common import (
+    DATA_PANEL,
+    HARDWARE_PANEL,
+    MODEL_PANEL,
+    TRAIN_PANEL,
+    DeviceOption,
+    DtypeOption,
+    ThreadsOption,
+    command,
+    options_from,
+    set_up_torch,
+)
+from aftgen.training.options import TrainOptions as Defaults
+
+
+def _option(help: str | None = None, panel: str | None = None, *names: str):
+    return typer.Option(*names, help=help, rich_help_panel=panel)
+
+
+@command
+def train(
+    corpus: Annotated[Path, typer.Argument(help="UTF-8 text file to learn from.")],
+    out: Annotated[Path | None, _option("Run folder (default runs/<corpus-stem>).")] = None,
+    resume: Annotated[bool, _option("Continue the run in --out where it stopped.")] = Defaults.resume,
+    overwrite: Annotated[bool, _option("Replace a run already in --out.")] = Defaults.overwrite,
+    preset: Annotated[str, _option("tiny | small | medium.", MODEL_PANEL)] = Defaults.preset,
+    n_layer: Annotated[int | None, _option(None, MODEL_PANEL, "--layers")] = None,
+    n_embd: Annotated[int | None, _option(None, MODEL_PANEL, "--width")] = None,
+    n_head: Annotated[int | None, _option(None, MODEL_PANEL, "--heads")] = None,
+    mixer: Annotated[
+        str | None,
+        _option(
+            "Token mixer: aft_local | aft_simple (no window) | aft_full (window = whole context; "
+            "generation O(context) per token) | attention (softmax + KV cache, the baseline).",
+            MODEL_PANEL,
+        ),
+    ] = None,
+    window: Annotated[int | None, _option("AFT-local window s.", MODEL_PANEL)] = None,
+    context_length: Annotated[int | None, _option("Training sequence length.", MODEL_PANEL)] = None,
+    dropout: Annotated[float | None, _option(None, MODEL_PANEL)] = None,
+    decay: Annotated[
+        bool | None, _option("Learned decay beyond the window (off: the paper's AFT-local).", MODEL_PANEL)
+    ] = None,
+    max_steps: Annotated[int, _option(None, TRAIN_PANEL)] = Defaults.max_steps,
+    max_time: Annotated[str | None, _option("Wall-time budget: 150, 90s, 10m, 1h.", TRAIN_PANEL)] = None,
+    batch_size: Annotated[int | None, _option(None, TRAIN_PANEL)] = None,
+    lr: Annotated[float, _option("Peak learning rate.", TRAIN_PANEL)] = Defaults.lr,
+    warmup_steps: Annotated[int, _option(None, TRAIN_PANEL)] = Defaults.warmup_steps,
+    weight_decay: Annotated[float, _option(None, TRAIN_PANEL)] = Defaults.weight_decay,
+    grad_clip: Annotated[float, _option(None, TRAIN_PANEL)] = Defaults.grad_clip,
+    eval_interval: Annotated[
+        int, _option("Steps between held-out evals and checkpoints.", TRAIN_PANEL)
+    ] = Defaults.eval_interval,
+    eval_windows: Annotated[int, _option("Held-out windows each eval scores.", TRAIN_PANEL)] = Defaults.eval_windows,
+    keep_best: Annotated[
+        bool, _option("Publish the weights that scored best on the held-out eval, not the latest.", TRAIN_PANEL)
+    ] = Defaults.keep_best,
+    weights_dtype: Annotated[
+        str, _option("fp32 | fp16 | bf16: precision of model.safetensors (fp16 halves it).", TRAIN_PANEL)
+    ] = Defaults.weights_dtype,
+    seed: Annotated[int, _option(None, TRAIN_PANEL)] = Defaults.seed,
+    vocab_size: Annotated[int, _option(None, DATA_PANEL)] = Defaults.vocab_size,
+    tokenizer_type: Annotated[str, _option("bpe | unigram | char.", DATA_PANEL)] = Defaults.tokenizer_type,
+    encoding: Annotated[str, _option("Text encoding of the corpus.", DATA_PANEL)] = Defaults.encoding,
+    errors: Annotated[str, _option("strict | replace | ignore undecodable bytes.", DATA_PANEL)] = Defaults.errors,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+    device: DeviceOption = Defaults.device,
+    dtype: DtypeOption = Defaults.dtype,
+    compile: Annotated[
+        bool,
+        _option("torch.compile the training model (falls back to eager).", HARDWARE_PANEL, "--compile/--no-compile"),
+    ] = Defaults.compile,
+    threads: ThreadsOption = None,
+) -> None:
+    """Train a tokenizer and a model on a text file; prints the run folder on stdout.
+
+    The same command under `torchrun --nproc_per_node N -m aftgen train ...` trains on N processes.
+    """
+    from aftgen.training import TrainingInterrupted, TrainOptions
+    from aftgen.training import train as run_training
+
+    options = options_from(TrainOptions, locals(), command=shlex.join(["aftgen", *sys.argv[1:]]))
+    options.check()
+    set_up_torch(threads)
+    main_process = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 prints the run folder
+    try:
+        run = run_training(options, quiet=quiet)
+    except TrainingInterrupted as stop:
+        if main_process:
+            print(stop.out)
+        raise typer.Exit(130) from None
+    if main_process:
+        print(run)

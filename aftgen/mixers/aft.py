@@ -1,0 +1,256 @@
+"""Causal AFT-local (Zhai et al. 2021, "An Attention Free Transformer"), the model's token mixer.
+
+Per head h and channel c, token t reads every token t' <= t:
+
+    y_t = sigmoid(q_t) * sum_{t'<=t} exp(k_t' + b[h, t-t']) v_t' / sum_{t'<=t} exp(k_t' + b[h, t-t'])
+
+with a relative position bias b[h, d] = w[h, d] for d < s (the window) and, beyond it,
+b[h, d] = -lambda_h * (d - s + 1) with a learned per-head decay lambda_h >= 0. lambda = 0 is the
+paper's AFT-local exactly (every past token keeps weight exp(k) forever); a small positive lambda
+keeps the average over the far past the same whether the model reads 100 tokens or 100k, which is
+what lets a model trained on short windows stream past its training length.
+
+Three forms compute it:
+- `aft_naive`: the formula as written, O(T^2). The readable path, and the tests' oracle.
+- `aft_parallel`: the same sums over a whole sequence in chunks (chunked.py): training and prompts.
+- `aft_step`: one token at a time from a fixed-size state: the last s keys and values, plus
+  max-stabilised running sums of exp(k) v and exp(k) over everything older (RWKV's (a, b, p) trick:
+  the true sums are prefix_num * exp(prefix_max) and prefix_den * exp(prefix_max)).
+
+Numerical safety: keys and window biases are soft-capped into (-KEY_CAP, KEY_CAP), so every weight
+exp(k + b) lies in [exp(-2 KEY_CAP), exp(2 KEY_CAP)] (or decays below that, far in the past). No sum
+can overflow in fp32 at any practical length, and the denominator always holds the current token's
+own weight, so it never underflows to 0.
+
+Shapes: q, k, v are (B, T, H, D) (batch, time, heads, channels per head), or (B, H, D) for one token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from aftgen.mixers.chunked import EMPTY_KEY, History, aft_chunked, aft_chunked_from
+from aftgen.mixers.protocol import MixerState
+
+KEY_CAP = 10.0
+
+
+def soft_cap(x: torch.Tensor, cap: float = KEY_CAP) -> torch.Tensor:
+    """cap * tanh(x / cap): bounded inside (-cap, cap), the identity near zero.
+
+    Written as 2 cap sigmoid(2 x / cap) - cap, the same function: torch's CPU tanh is about five times
+    slower than its sigmoid, and this runs on every key.
+    """
+    return (2 * cap) * torch.sigmoid(x * (2 / cap)) - cap
+
+
+def aft_naive(q, k, v, w: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """The formula above, term by term, in float64: y (B, T, H, D). O(T^2): for reading and testing."""
+    B, T, H, D = k.shape
+    s = w.shape[1]
+    q, k, v, w, decay = (x.double() for x in (q, k, v, w, decay))
+    y = torch.empty(B, T, H, D, dtype=torch.float64)
+    for t in range(T):
+        num = torch.zeros(B, H, D, dtype=torch.float64)
+        den = torch.zeros(B, H, D, dtype=torch.float64)
+        for earlier in range(t + 1):
+            d = t - earlier
+            bias = w[:, d] if d < s else -decay * (d - s + 1)  # (H,)
+            weight = torch.exp(k[:, earlier] + bias[None, :, None])  # (B, H, D)
+            num += weight * v[:, earlier]
+            den += weight
+        y[:, t] = torch.sigmoid(q[:, t]) * num / den
+    return y
+
+
+def empty_state(batch: int, heads: int, head_dim: int, window: int, device=None) -> MixerState:
+    """The state before any token: an empty window (a ring buffer: token g in slot g mod s) and prefix."""
+    zeros = torch.zeros(batch, heads, head_dim, device=device)
+    return {
+        "window_k": torch.full((batch, window, heads, head_dim), EMPTY_KEY, device=device),  # (B, s, H, D)
+        "window_v": torch.zeros(batch, window, heads, head_dim, device=device),  # (B, s, H, D)
+        "prefix_num": zeros.clone(),  # (B, H, D)
+        "prefix_den": zeros.clone(),  # (B, H, D)
+        "prefix_max": torch.full_like(zeros, EMPTY_KEY),  # (B, H, D)
+        "position": torch.zeros((), dtype=torch.long, device=device),  # tokens read so far
+    }
+
+
+def aft_step(q, k, v, w: torch.Tensor, decay: torch.Tensor, state: MixerState) -> torch.Tensor:
+    """y (B, H, D) of one more token, q, k, v (B, H, D), updating `state` in place: O(s D) work.
+
+    k and w already soft-capped. The token leaving the window moves into the prefix. The position
+    stays a tensor and the slot is addressed with index_select / index_copy_, so there is no host
+    sync and torch.compile can fuse the whole step.
+    """
+    s = w.shape[1]
+    position = state["position"]
+    win_k, win_v = state["window_k"], state["window_v"]  # (B, s, H, D)
+    if s:
+        slot = (position % s).view(1)
+        leaving_k, leaving_v = win_k.index_select(1, slot)[:, 0], win_v.index_select(1, slot)[:, 0]  # (B, H, D)
+    else:
+        leaving_k, leaving_v = k, v
+
+    # Fold the leaving token (distance s: weight exp(k - lambda)) into the prefix, decaying the rest.
+    a, b, p = state["prefix_num"], state["prefix_den"], state["prefix_max"]  # (B, H, D)
+    top = torch.maximum(p, leaving_k)
+    old_scale, new_scale = torch.exp(p - top), torch.exp(leaving_k - top)
+    a.mul_(old_scale).add_(new_scale * leaving_v)
+    b.mul_(old_scale).add_(new_scale)
+    p.copy_(top - decay[None, :, None])
+
+    if s:
+        win_k.index_copy_(1, slot, k[:, None])
+        win_v.index_copy_(1, slot, v[:, None])
+    y = latest_output(q, w, state, position)
+    position.add_(1)
+    return y
+
+
+def latest_output(q: torch.Tensor, w: torch.Tensor, state: MixerState, newest: torch.Tensor) -> torch.Tensor:
+    """y (B, H, D) of the token at position `newest`, q (B, H, D), from a state that already holds it.
+
+    Its window holds the last s tokens, weighted exp(k + w[distance]); its prefix everything older,
+    already decayed to this token. Max-stabilised, like the prefix itself.
+    """
+    s = w.shape[1]
+    a, b, p = state["prefix_num"], state["prefix_den"], state["prefix_max"]  # (B, H, D)
+    if not s:
+        return torch.sigmoid(q) * a / b
+    win_k, win_v = state["window_k"], state["window_v"]  # (B, s, H, D)
+    distance = (newest - torch.arange(s, device=q.device)) % s  # (s,): of each slot's token
+    scores = win_k + w[:, distance].T[None, :, :, None]  # (B, s, H, D)
+    top = torch.maximum(p, scores.amax(dim=1))  # (B, H, D)
+    window_scale = torch.exp(scores - top[:, None])
+    prefix_scale = torch.exp(p - top)
+    num = a * prefix_scale + (window_scale * win_v).sum(dim=1)
+    den = b * prefix_scale + window_scale.sum(dim=1)
+    return torch.sigmoid(q) * num / den
+
+
+def aft_parallel(
+    q, k, v, w: torch.Tensor, decay: torch.Tensor, chunk: int = 32, state: MixerState | None = None,
+    return_state: bool = False, last_only: bool = False,
+) -> tuple[torch.Tensor, MixerState | None]:  # fmt: skip
+    """y (B, T, H, D) of a whole sequence in the chunked form; k and w already soft-capped.
+
+    With `state`, the sequence continues from it, and with `return_state` the state after the last
+    token comes back, so long streams can be read chunk by chunk. `last_only` gives y of the last
+    token alone (B, 1, H, D), read from that new state: reading a prompt needs no other.
+    Gradients flow only when reading from nothing (training).
+    """
+    dtype = torch.promote_types(k.dtype, torch.float32)
+    q, k, v, w, decay = (t.to(dtype) for t in (q, k, v, w, decay))
+    if state is None and not return_state and not last_only:
+        return aft_chunked(q, k, v, w, decay, chunk), None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w, decay)):
+        raise ValueError("aft_parallel: gradients through a carried state are not supported")
+    B, T, H, D = k.shape
+    s = w.shape[1]
+    state = state if state is not None else empty_state(B, H, D, s, k.device)
+    history = _unrolled(state, s)
+    y, prefix = aft_chunked_from(q, k, v, w, decay, chunk, history, outputs=not last_only)
+    new_state = _advanced(state, history, k, v, prefix)
+    if last_only:
+        y = latest_output(q[:, T - 1], w, new_state, new_state["position"] - 1)[:, None]
+    return y, new_state if return_state else None
+
+
+def _unrolled(state: MixerState, s: int) -> History:
+    """The state's ring buffer in time order, and its prefix as plain (not max-stabilised) sums."""
+    slots = torch.arange(s, device=state["position"].device)
+    time_order = (slots + state["position"]) % s  # positions stay tensors: no host sync, one compiled graph
+    scale = torch.exp(state["prefix_max"]).repeat(1, 1, 2)
+    prefix = torch.cat([state["prefix_num"], state["prefix_den"]], dim=-1) * scale  # (B, H, 2D)
+    return History(state["window_k"].index_select(1, time_order), state["window_v"].index_select(1, time_order), prefix)
+
+
+def _advanced(state: MixerState, history: History, k, v, prefix: torch.Tensor) -> MixerState:
+    """The state after reading k, v (B, T, H, D): the last s keys and values, and `prefix` (B, H, 2D)."""
+    s, T, D = history.keys.shape[1], k.shape[1], k.shape[-1]
+    position = state["position"] + T
+    ring_order = (torch.arange(s, device=k.device) - position) % s
+    newest = max(T - s, 0)  # the last s keys and values come from the old window and the new tokens
+    keys = torch.cat([history.keys, k[:, newest:T]], dim=1)[:, T - newest :]
+    values = torch.cat([history.values, v[:, newest:T]], dim=1)[:, T - newest :]
+    return {
+        "window_k": keys.index_select(1, ring_order),
+        "window_v": values.index_select(1, ring_order),
+        "prefix_num": prefix[..., :D].contiguous(),
+        "prefix_den": prefix[..., D:].contiguous(),
+        "prefix_max": torch.zeros_like(prefix[..., :D]),
+        "position": position,
+    }
+
+
+def focused_window_bias(n_head: int, window: int) -> torch.Tensor:
+    """The initial w (H, s): head h favours the last few tokens, w[h, d] = (ln s + 1) exp(-d / tau_h).
+
+    The paper starts w at 0, so every head first averages its whole window evenly; a language model
+    needs heads that read the last token or two, and learning that from 0 takes most of a short run.
+    Focus lengths tau go from s/2 down to half a token, so some heads stay broad. w stays >= 0,
+    above the weight of everything beyond the window (<= 1).
+    """
+    if window == 0:
+        return torch.zeros(n_head, 0)
+    focus = torch.logspace(math.log10(window / 2), math.log10(0.5), n_head)[:, None]
+    return (math.log(window) + 1) * torch.exp(-torch.arange(window)[None, :] / focus)
+
+
+def full_precision(device: torch.device) -> torch.autocast:
+    """Autocast off: under mixed precision the exp/sum accumulations must still run in fp32."""
+    return torch.autocast(device.type, enabled=False)
+
+
+class AFTMixer(torch.nn.Module):
+    """Multi-head causal AFT with window s: projections around `aft_parallel` / `aft_step`.
+
+    s = config.window is AFT-local, s = 0 AFT-simple (decay only), s = the training length AFT-full.
+    """
+
+    no_weight_decay = ("w", "decay_logit")  # position biases and decays: not matrices to shrink
+
+    def __init__(self, n_embd: int, n_head: int, window: int, context_length: int, decay: bool, chunk: int = 32):
+        super().__init__()
+        self.n_head, self.head_dim, self.chunk = n_head, n_embd // n_head, chunk
+        self.qkv = torch.nn.Linear(n_embd, 3 * n_embd)
+        self.proj = torch.nn.Linear(n_embd, n_embd)
+        self.w = torch.nn.Parameter(focused_window_bias(n_head, window))  # (H, s)
+        # Heads start with horizons from about the training length down to the window, so some
+        # look far back and some stay local; softplus keeps lambda >= 0.
+        horizons = torch.logspace(math.log10(context_length), math.log10(max(window, 2) / 2), n_head)
+        self.decay_logit = torch.nn.Parameter(torch.log(torch.expm1(1.0 / horizons)), requires_grad=decay)  # (H,)
+        self.learn_decay = decay
+
+    def decay(self) -> torch.Tensor:
+        """lambda (H,): 0 without a learned decay (the paper's AFT-local)."""
+        if not self.learn_decay:
+            return torch.zeros_like(self.decay_logit)
+        return F.softplus(self.decay_logit)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.qkv(x).split(self.n_head * self.head_dim, dim=-1)
+        shape = (*x.shape[:-1], self.n_head, self.head_dim)
+        return q.view(shape), soft_cap(k.view(shape).float()), v.view(shape)
+
+    def initial_state(self, batch_size: int, device=None) -> MixerState:
+        return empty_state(batch_size, self.n_head, self.head_dim, self.w.shape[1], device)
+
+    def forward(
+        self, x: torch.Tensor, state: MixerState | None = None, return_state: bool = False, last_only: bool = False
+    ) -> tuple[torch.Tensor, MixerState | None]:
+        q, k, v = self._qkv(x)  # (B, T, H, D)
+        with full_precision(x.device):
+            w, decay = soft_cap(self.w), self.decay()
+            y, state = aft_parallel(q, k, v, w, decay, self.chunk, state, return_state, last_only)
+        return self.proj(y.to(x.dtype).flatten(-2)), state
+
+    def step(self, x: torch.Tensor, state: MixerState) -> torch.Tensor:
+        q, k, v = self._qkv(x)  # (B, H, D)
+        with full_precision(x.device):
+            y = aft_step(q.float(), k, v.float(), soft_cap(self.w), self.decay(), state)
+        return self.proj(y.to(x.dtype).flatten(-2))

@@ -1,0 +1,33 @@
+"""What every token mixer provides: a parallel form, a step form and a recurrent state."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+MixerState = dict[str, torch.Tensor]  # per layer; tensors batch-first, plus a 0-dim "position"
+
+
+class Mixer(Protocol):
+    """A causal token mixer: x (B, T, C) -> (B, T, C), reading only earlier tokens."""
+
+    # Names of parameters AdamW must not decay (position biases, decays): matrices are decayed, the rest not.
+    no_weight_decay: tuple[str, ...]
+
+    def forward(
+        self, x: torch.Tensor, state: MixerState | None = None, return_state: bool = False, last_only: bool = False
+    ) -> tuple[torch.Tensor, MixerState | None]:
+        """The parallel form: all of x at once, continuing `state` (None: from nothing).
+
+        `return_state` returns the state after the last token; `last_only` the output of that token alone (B, 1, C).
+        """
+        ...
+
+    def step(self, x: torch.Tensor, state: MixerState) -> torch.Tensor:
+        """The step form: one token per sequence, x (B, C) -> (B, C), updating `state` in place."""
+        ...
+
+    def initial_state(self, batch_size: int, device: torch.device | None = None) -> MixerState:
+        """The state before any token."""
+        ...

@@ -1,0 +1,284 @@
+"""Training: AdamW with warmup and cosine decay, periodic held-out checks, atomic checkpoints, exact resume.
+
+`train` sets up (data, model, optimiser, maybe a resumed state), runs `_loop` (one step after
+another, a held-out check and a checkpoint every eval_interval steps) and finishes with a full
+evaluation of the published weights. Started by torchrun, each process runs it and they train one
+model together (see distributed.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from aftgen import data, distributed, evaluate
+from aftgen.checkpoint import WEIGHTS, read_weights
+from aftgen.device import Compiled, Placement, resolve
+from aftgen.distributed import World
+from aftgen.errors import AftgenError
+from aftgen.model import AFTLM, AFTConfig
+from aftgen.tokenizer import Tokenizer
+from aftgen.training.optimizer import learning_rate, make_optimizer, set_learning_rate
+from aftgen.training.options import MODEL_FIELDS, TrainOptions
+from aftgen.training.progress import Interrupts, Reporter
+from aftgen.training.run_folder import RunFolder, TrainingState, describe_run
+
+EvalCallback = Callable[[dict], None]
+
+
+class TrainingInterrupted(Exception):
+    """Raised after an interrupted run has been saved."""
+
+    def __init__(self, out):
+        super().__init__(str(out))
+        self.out = out
+
+
+def train(options: TrainOptions, quiet: bool = False, on_eval: EvalCallback | None = None):
+    """Train a tokenizer and a model on options.corpus; returns the run folder."""
+    options.check()
+    placement = resolve(options.device, options.dtype, distributed.local_rank())
+    with distributed.join(placement.device) as world:
+        try:
+            return _train(options, placement, world, quiet, on_eval)
+        except Exception as exc:
+            if world.distributed and distributed.lost_peer(exc):
+                raise AftgenError(
+                    f"process {world.rank}: lost contact with the other training processes ({type(exc).__name__}); "
+                    "the last checkpoint is kept: fix the failed process and run again with --resume"
+                ) from None
+            raise
+
+
+def _train(options: TrainOptions, placement: Placement, world: World, quiet: bool, on_eval: EvalCallback | None):
+    run = RunFolder(options, world)
+    with Reporter(quiet or not world.main) as reporter:
+        corpus = _load_corpus(options, run, world, reporter.log)
+        training = _start(options, run, corpus, placement, world, reporter.log)
+        stopped_by = _loop(options, run, corpus, training, placement, world, reporter, on_eval)
+        if stopped_by:
+            reporter.log(f"{stopped_by}: saved step {training.step} to {run.path}; continue with: {run.continue_command()}")
+            raise TrainingInterrupted(run.path)
+        if world.main:
+            _finish(options, run, corpus, training, reporter.log)
+    return run.path
+
+
+@dataclass
+class Corpus:
+    """The tokenized training and held-out text."""
+
+    tokenizer: Tokenizer
+    train_ids: torch.Tensor  # (tokens,) int32, memory-mapped from the cache
+    held_out_ids: torch.Tensor
+    held_out_text: str
+    eval_length: int  # tokens per window of the quick held-out check
+
+    @property
+    def chars_per_token(self) -> float:
+        return len(self.held_out_text) / max(1, len(self.held_out_ids) - 1)
+
+
+def _load_corpus(options: TrainOptions, run: RunFolder, world: World, log: Callable[[str], None]) -> Corpus:
+    """Split the corpus, train (or reuse) the tokenizer and cache the token ids, once per machine."""
+    train_text, held_out_text = data.split_text(data.read_text(options.corpus, options.encoding, options.errors))
+    if options.resume:
+        tokenizer = Tokenizer.load(run.path / "tokenizer.model")
+    else:  # trained once, by rank 0, and sent to the others
+        proto = None
+        if world.main:
+            proto = data.cached_tokenizer(train_text, options.vocab_size, options.tokenizer_type, log).model_proto
+        tokenizer = Tokenizer(world.share_bytes(proto))
+    first_on_machine = distributed.local_rank() == 0  # it fills the cache; the others wait, then read it
+    if not first_on_machine:
+        world.barrier()
+    train_ids, held_out_ids = data.cached_ids(train_text, tokenizer), data.cached_ids(held_out_text, tokenizer)
+    if first_on_machine:
+        world.barrier()
+    length = run.settings["context_length"]
+    if len(train_ids) < length + 2 or len(held_out_ids) < 2:
+        raise AftgenError(
+            f"{options.corpus}: too small: {len(train_ids)} training tokens, fewer than one sequence of "
+            f"{length + 1}; give it more text or pass a smaller --context-length"
+        )
+    return Corpus(tokenizer, train_ids, held_out_ids, held_out_text, min(length, len(held_out_ids) - 1))
+
+
+def _start(options, run: RunFolder, corpus: Corpus, placement: Placement, world: World, log) -> TrainingState:
+    """The model, optimiser and batch generator, fresh from the seed or restored from the run folder."""
+    torch.manual_seed(options.seed)
+    config = AFTConfig(vocab_size=corpus.tokenizer.vocab_size, **{k: run.settings[k] for k in MODEL_FIELDS})
+    model = AFTLM(config).to(placement.device)
+    training = TrainingState(model, make_optimizer(model, options), torch.Generator().manual_seed(options.seed))
+    if options.resume:
+        run.resume(training)
+        log(f"resuming {run.path} at step {training.step}")
+        if run.saved_world_size != world.size:
+            log(f"note: trained so far by {run.saved_world_size} processes, now {world.size}: the global batch changes")
+    if world.rank:  # own dropout masks per process (the model's initialisation above is the same everywhere)
+        torch.manual_seed(options.seed + 1_000_003 * world.rank + training.step)
+    run.description = describe_run(options, run, model, placement.describe(), world)
+    batch = run.description["global_batch_size"]
+    log(
+        f"{model.num_parameters():,} parameters, vocabulary {corpus.tokenizer.vocab_size}, "
+        f"{len(corpus.train_ids):,} training tokens, {len(corpus.held_out_ids):,} held-out tokens, "
+        f"on {placement.describe()}"
+        + (f" x {world.size} processes (global batch {batch})" if world.distributed else "")
+        + f" -> {run.path}"
+    )
+    return training
+
+
+class Clock:
+    """Seconds trained (before this process too) and progress through the run's budget."""
+
+    def __init__(self, options: TrainOptions, elapsed_before: float):
+        self.options, self.offset = options, elapsed_before - time.monotonic()
+
+    def elapsed(self) -> float:
+        return self.offset + time.monotonic()
+
+    def progress(self, step: int, elapsed: float) -> float:
+        """0 -> 1 by steps, or by wall time when that runs out first (the schedule then follows the clock)."""
+        by_steps = step / self.options.max_steps
+        return max(by_steps, elapsed / self.options.max_time) if self.options.max_time else by_steps
+
+
+class Meter:
+    """Mean training loss and tokens/s since the last held-out check."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum, self.steps, self.tokens, self.since = 0.0, 0, 0, time.monotonic()
+
+    def add(self, loss: float, tokens: int) -> None:
+        self.loss_sum, self.steps, self.tokens = self.loss_sum + loss, self.steps + 1, self.tokens + tokens
+
+    def mean_loss(self) -> float:
+        return self.loss_sum / max(1, self.steps)
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(time.monotonic() - self.since, 1e-9)
+
+    def status(self) -> str:
+        return f"loss {self.mean_loss():.3f}  {self.tokens_per_s():,.0f} tok/s"
+
+
+def _loop(options, run, corpus, training, placement, world, reporter, on_eval) -> str | None:
+    """Train until the step or time budget is spent; returns what stopped it early, if anything did."""
+    trainer = world.wrap(training.model)
+    if options.compile:
+        trainer = Compiled(trainer, lambda why: reporter.log(f"warning: --compile failed ({why}); running eagerly"))
+    # fp16 needs loss scaling so small gradients do not flush to zero; bf16 and fp32 do not.
+    scaler = torch.amp.GradScaler(placement.device.type, enabled=placement.dtype == torch.float16)
+    clock, meter, stopped_by = Clock(options, training.elapsed), Meter(), None
+    batch_size, length = run.settings["batch_size"], run.settings["context_length"]
+    training.model.train()
+    with Interrupts() as interrupts:
+        while True:
+            # All processes must decide alike: rank 0's clock and a signal to any of them count for all.
+            mine = [clock.elapsed() if world.main else 0.0, float(interrupts.requested is not None)]
+            training.elapsed, stop_votes = world.sum(mine)
+            progress = clock.progress(training.step, training.elapsed)
+            if stop_votes:
+                stopped_by = interrupts.requested or "stop requested on another process"
+            if stop_votes or progress >= 1.0:
+                break
+            lr = learning_rate(options, training.step, progress)
+            set_learning_rate(training.optimizer, lr)
+            inputs, targets = data.batch(corpus.train_ids, batch_size, length, training.generator, world.rank, world.size)
+            loss = _step(trainer, training, scaler, inputs, targets, placement, options.grad_clip, run)
+            meter.add(loss, inputs.numel() * world.size)
+            reporter.update(training.step, progress, meter.status())
+            if training.step % options.eval_interval == 0:
+                _check_and_save(options, run, corpus, training, clock.elapsed(), meter, lr, reporter, on_eval)
+        training.elapsed = clock.elapsed()
+        _final_save(options, run, corpus, training, stopped_by)
+    return stopped_by
+
+
+def _step(trainer, training: TrainingState, scaler, inputs, targets, placement: Placement, grad_clip, run) -> float:
+    """One optimiser step on a batch; the loss before it."""
+    model, optimizer = training.model, training.optimizer
+    inputs, targets = inputs.to(placement.device), targets.to(placement.device)
+    with placement.autocast():
+        logits = trainer(inputs)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    if not torch.isfinite(loss):
+        raise run.diverged("the loss", training.step + 1)
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()  # DDP averages the gradients over the processes here
+    if grad_clip:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    training.step += 1
+    return loss.item()
+
+
+def _held_out_nats_per_char(options: TrainOptions, corpus: Corpus, model: AFTLM) -> float:
+    """The quick held-out check: evenly spaced windows of the training length."""
+    loss = evaluate.window_loss(model, corpus.held_out_ids, corpus.eval_length, options.eval_windows)
+    return loss / corpus.chars_per_token
+
+
+def _check_and_save(options, run, corpus, training, elapsed, meter, lr, reporter, on_eval) -> None:
+    """Every eval_interval steps: a row of metrics from the held-out check, and a checkpoint."""
+    world = run.world
+    train_loss = world.sum([meter.mean_loss()])[0] / world.size  # over the global batch
+    if world.main:
+        held_out = _held_out_nats_per_char(options, corpus, training.model)
+        row = {
+            "step": training.step,
+            "elapsed": round(elapsed, 2),
+            "train_loss": train_loss,
+            "held_out_nats_per_char": held_out,
+            "held_out_bits_per_char": held_out / math.log(2),
+            "tokens_per_s": round(meter.tokens_per_s(), 1),
+            "lr": lr,
+        }
+        improved = run.record(row)
+        reporter.log(
+            f"step {training.step}: train loss {train_loss:.4f}, held-out {held_out:.4f} nats/char "
+            f"({row['held_out_bits_per_char']:.4f} bits/char), {row['tokens_per_s']:,.0f} tok/s"
+        )
+        if on_eval:
+            on_eval(row)
+        run.save(training, corpus.tokenizer, elapsed, improved)
+    meter.reset()
+
+
+def _final_save(options, run: RunFolder, corpus: Corpus, training: TrainingState, stopped_by: str | None) -> None:
+    """The last checkpoint; with keep_best, checked first unless the last step was just checked."""
+    last_checked = bool(run.metrics) and run.metrics[-1]["step"] == training.step
+    improved = False
+    if options.keep_best and run.world.main and not stopped_by and not last_checked:
+        improved = run.is_best(training.step, _held_out_nats_per_char(options, corpus, training.model))
+    run.save(training, corpus.tokenizer, training.elapsed, improved)
+
+
+def _finish(options: TrainOptions, run: RunFolder, corpus: Corpus, training: TrainingState, log) -> None:
+    """Score the published weights (the best ones with keep_best, at their stored precision) on all of
+    the held-out text, and put the score in the card and training.json."""
+    model = training.model.eval()
+    model.load_state_dict(read_weights(run.path / WEIGHTS, model))
+    if options.keep_best:
+        best = run.best
+        log(f"keeping the weights of step {best['step']} (quick held-out {best['held_out_nats_per_char']:.4f} nats/char)")
+    # Attention's KV cache grows with the stream (quadratic time to read it) and its RoPE positions
+    # are untrained past the training length, so attention runs are scored in windows of that length.
+    reset_every = model.config.context_length if model.config.mixer == "attention" else 0
+    final = evaluate.evaluate_text(model, corpus.tokenizer, corpus.held_out_text, reset_every=reset_every)
+    run.finish(model, corpus.tokenizer, training.step, training.elapsed, final.to_dict() | {"reset_every": reset_every})
+    log(
+        f"done: {training.step} steps in {training.elapsed:.0f} s; held-out {final.nats_per_char:.4f} nats/char "
+        f"({final.bits_per_char:.4f} bits/char)"
+    )

@@ -1,0 +1,126 @@
+"""Everything `aftgen train` can be told, with its default and its allowed range: the one home of both."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from aftgen.checkpoint import WEIGHT_DTYPES
+from aftgen.device import DEVICES, DTYPES
+from aftgen.errors import AftgenError
+from aftgen.mixers import MIXERS
+from aftgen.model import PRESETS, AFTConfig
+
+# AFTConfig fields a run may set (the rest come from the tokenizer); None in TrainOptions means "the preset's".
+MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "window", "context_length", "dropout", "decay", "mixer")
+FLAGS = {"n_layer": "--layers", "n_embd": "--width", "n_head": "--heads"}  # options named unlike their field
+ERROR_MODES = ("strict", "replace", "ignore")
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of an option."""
+    return FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+@dataclass
+class TrainOptions:
+    """Everything `aftgen train` can be told; None means "from the preset"."""
+
+    corpus: Path
+    out: Path | None = None
+    preset: str = "small"
+    n_layer: int | None = None
+    n_embd: int | None = None
+    n_head: int | None = None
+    window: int | None = None
+    context_length: int | None = None
+    batch_size: int | None = None
+    dropout: float | None = None
+    decay: bool | None = None
+    mixer: str | None = None
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    warmup_steps: int = 100
+    grad_clip: float = 1.0
+    max_steps: int = 5000
+    max_time: float | str | None = None  # seconds, or a duration such as "10m"
+    eval_interval: int = 250
+    eval_windows: int = 32
+    keep_best: bool = False
+    weights_dtype: str = "fp32"
+    seed: int = 1337
+    vocab_size: int = 1024
+    tokenizer_type: str = "bpe"
+    encoding: str = "utf-8"
+    errors: str = "strict"
+    resume: bool = False
+    overwrite: bool = False
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: bool = False
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_time, str):
+            self.max_time = parse_duration(self.max_time)
+
+    @property
+    def run_folder(self) -> Path:
+        return Path(self.out) if self.out else Path("runs") / Path(self.corpus).stem
+
+    def resolved(self) -> dict:
+        """The preset with explicit options laid over it: the model's sizes and the batch size."""
+        if self.preset not in PRESETS:
+            raise AftgenError(f"unknown preset '{self.preset}'; choose one of: {', '.join(PRESETS)}")
+        settings = {"dropout": 0.0, "decay": True, "mixer": "aft_local", **PRESETS[self.preset]}
+        for name in (*MODEL_FIELDS, "batch_size"):
+            if getattr(self, name) is not None:
+                settings[name] = getattr(self, name)
+        return settings
+
+    def to_dict(self) -> dict:
+        """The options as training.json records them."""
+        return {k: v for k, v in asdict(self).items() if k not in ("corpus", "out")} | {"out": str(self.run_folder)}
+
+    def check(self) -> None:
+        """Refuse out-of-range values before any work is done."""
+        for name in ("lr", "max_steps", "eval_interval", "eval_windows", "vocab_size"):
+            if not getattr(self, name) > 0:
+                raise AftgenError(f"{flag(name)} must be positive, got {getattr(self, name)}")
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise AftgenError(f"{flag(name)} must not be negative, got {getattr(self, name)}")
+        if self.max_time is not None and not self.max_time > 0:
+            raise AftgenError(f"--max-time must be positive, got {self.max_time}")
+        _one_of("--device", self.device.split(":")[0], DEVICES, shown=self.device)
+        _one_of("--dtype", self.dtype, ("auto", *DTYPES))
+        _one_of("--weights-dtype", self.weights_dtype, tuple(WEIGHT_DTYPES))
+        _one_of("--errors", self.errors, ERROR_MODES)
+        settings = self.resolved()
+        _one_of("--mixer", settings["mixer"], MIXERS)
+        for name in ("batch_size", "n_layer", "n_embd", "n_head", "context_length"):
+            if settings[name] <= 0:
+                raise AftgenError(f"{flag(name)} must be positive, got {settings[name]}")
+        AFTConfig(vocab_size=self.vocab_size, **{k: settings[k] for k in MODEL_FIELDS})  # window <= context, ...
+
+
+def _one_of(option: str, value: str, allowed: tuple[str, ...], shown: str | None = None) -> None:
+    if value not in allowed:
+        raise AftgenError(f"unknown {option} '{shown or value}'; choose one of: {', '.join(allowed)}")
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '10m', '1.5h' -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    text = text.strip().lower()
+    scale = units.get(text[-1:], None)
+    number = text[:-1] if scale else text
+    try:
+        seconds = float(number) * (scale or 1)
+    except ValueError:
+        raise AftgenError(f"cannot read duration '{text}'; use seconds or a unit, e.g. 150, 90s, 10m, 1h") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise AftgenError(f"duration must be positive, got '{text}'")
+    return seconds

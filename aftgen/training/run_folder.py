@@ -1,0 +1,152 @@
+"""A training run's folder: what may be trained into it, its record (metrics, the best held-out
+check) and every write to it: checkpoints, the training state, training.json and the model card."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from aftgen.card import model_card
+from aftgen.checkpoint import (
+    TRAINING_INFO,
+    TRAINING_STATE,
+    is_checkpoint,
+    load_training_state,
+    read_run_files,
+    read_training_info,
+    save_checkpoint,
+    save_training_state,
+    write_metrics,
+    write_run_info,
+)
+from aftgen.distributed import World
+from aftgen.errors import AftgenError
+from aftgen.files import prepare_folder
+from aftgen.model import AFTLM
+from aftgen.tokenizer import Tokenizer
+from aftgen.training.options import TrainOptions
+
+
+@dataclass
+class TrainingState:
+    """What the training steps change, and a resumed run restores."""
+
+    model: AFTLM
+    optimizer: torch.optim.Optimizer
+    generator: torch.Generator  # draws the batches
+    step: int = 0
+    elapsed: float = 0.0  # seconds trained so far, by this process and before it (resume)
+
+
+class RunFolder:
+    """The run folder of `options`, checked before any work. Rank 0 alone checks held-out loss and writes."""
+
+    def __init__(self, options: TrainOptions, world: World):
+        self.path, self.options, self.world = options.run_folder, options, world
+        self.settings = options.resolved()  # model sizes and batch size
+        self.metrics: list[dict] = []
+        self.best: dict | None = None  # {"step", "held_out_nats_per_char"} of the best held-out check
+        self.saved_step: int | None = None
+        self.saved_world_size = world.size
+        self.description: dict = {}  # what training.json says besides the step
+        self._refuse_mistakes()
+        if options.resume:
+            saved, _ = read_training_info(self.path)  # the state file alone describes the run
+            self.settings, self.best = saved["settings"], saved.get("best")
+            self.saved_world_size = saved.get("world_size", 1)
+            self.metrics = read_run_files(self.path)[1]
+        if world.main:
+            prepare_folder(self.path)
+
+    def _refuse_mistakes(self) -> None:
+        """No run overwritten by accident, no resume of nothing."""
+        path, options = self.path, self.options
+        holds_run = (path / TRAINING_INFO).exists() or (path / TRAINING_STATE).exists() or is_checkpoint(path)
+        if not options.resume and not options.overwrite and holds_run:
+            raise AftgenError(
+                f"{path} already holds a run (or a checkpoint); pass --resume to continue it or --overwrite to replace it"
+            )
+        if options.resume and not (path / TRAINING_STATE).exists():
+            raise AftgenError(f"{path} has no training state to resume; drop --resume to start a new run")
+
+    def resume(self, training: TrainingState) -> None:
+        """Restore the weights, optimiser, random states, step and clock saved in the folder."""
+        info = load_training_state(self.path, training.model, training.optimizer, training.generator)
+        training.step, training.elapsed = info["step"], info["elapsed"]
+        self.saved_step = training.step
+
+    def record(self, row: dict) -> bool:
+        """Add a held-out check to metrics.jsonl; whether it is the best so far."""
+        self.metrics.append(row)
+        if self.world.main:
+            write_metrics(self.path, self.metrics)
+        return self.is_best(row["step"], row["held_out_nats_per_char"])
+
+    def is_best(self, step: int, held_out_nats_per_char: float) -> bool:
+        if self.best is not None and held_out_nats_per_char >= self.best["held_out_nats_per_char"]:
+            return False
+        self.best = {"step": step, "held_out_nats_per_char": held_out_nats_per_char}
+        return True
+
+    def info(self, step: int, elapsed: float) -> dict:
+        return self.description | {"step": step, "elapsed": elapsed, "best": self.best}
+
+    def save(self, training: TrainingState, tokenizer: Tokenizer, elapsed: float, improved: bool = False) -> None:
+        """The training state first (it alone is enough to resume), the weights, training.json last.
+
+        With keep_best, model.safetensors holds the weights that scored best on the held-out check
+        (nanoGPT's always_save_checkpoint=False); the training state always holds the latest.
+        """
+        if not self.world.main:
+            return
+        if not all(torch.isfinite(p).all() for p in training.model.parameters()):
+            raise self.diverged("the weights", training.step)  # never replace good weights with broken ones
+        info = self.info(training.step, elapsed)
+        save_training_state(self.path, training.model, training.optimizer, training.generator, info)
+        if improved or not self.options.keep_best or not is_checkpoint(self.path):
+            self.publish(training.model, tokenizer, info)
+        write_run_info(self.path, info)
+        self.saved_step = training.step
+
+    def publish(self, model: AFTLM, tokenizer: Tokenizer, info: dict) -> None:
+        """The Hub-shaped checkpoint: weights at the chosen precision, tokenizer, card, config."""
+        card = model_card(model.config, info, self.metrics)
+        save_checkpoint(self.path, model, tokenizer, card, self.options.weights_dtype)
+
+    def finish(self, model: AFTLM, tokenizer: Tokenizer, step: int, elapsed: float, final_eval: dict) -> None:
+        """Publish the card and training.json with the final evaluation of the published weights."""
+        self.description["final_eval"] = final_eval
+        info = self.info(step, elapsed)
+        self.publish(model, tokenizer, info)
+        write_run_info(self.path, info)
+
+    def diverged(self, what: str, step: int) -> AftgenError:
+        if self.saved_step is not None:
+            kept = f"the last good checkpoint (step {self.saved_step}) in {self.path} is kept"
+        else:
+            kept = "no checkpoint was written yet"
+        return AftgenError(
+            f"{what} became NaN or inf at step {step}; {kept}. "
+            f"Try a lower learning rate (--lr {self.options.lr / 3:.2g})"
+        )
+
+    def continue_command(self) -> str:
+        return f"aftgen train {self.options.corpus} --out {self.path} --resume"
+
+
+def describe_run(options: TrainOptions, run: RunFolder, model: AFTLM, device: str, world: World) -> dict:
+    """What training.json records about the run, besides its progress."""
+    return {
+        "name": Path(run.path).name,
+        "command": options.command,
+        "corpus": str(options.corpus),
+        "settings": run.settings,
+        "options": options.to_dict(),
+        "parameters": model.num_parameters(),
+        "tokenizer_type": options.tokenizer_type,
+        "device": device,
+        "world_size": world.size,
+        "global_batch_size": run.settings["batch_size"] * world.size,
+    }
