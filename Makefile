@@ -13,8 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e ".[test]"
 	touch $@
 
-test: install
-	$(VENV)/bin/ruff check aftgen tests
+test: lint
 	$(PY) -m pytest
 
 lint: install

@@ -149,7 +149,8 @@ def load_checkpoint(directory: Path | str, device: str | torch.device = "cpu") -
     tokenizer = Tokenizer.load(directory / TOKENIZER)
     if tokenizer.vocab_size != config.vocab_size:
         raise AftgenError(
-            f"{directory}: tokenizer has {tokenizer.vocab_size} pieces but config.json says vocab_size {config.vocab_size}"
+            f"{directory}: tokenizer has {tokenizer.vocab_size} pieces "
+            f"but config.json says vocab_size {config.vocab_size}"
         )
     # Built without memory and filled from the file, so a config cannot allocate more than the weights hold.
     with torch.device("meta"):
@@ -184,7 +185,7 @@ def save_training_state(folder: Path, model: AFTLM, optimizer: torch.optim.Optim
             tensors[f"optimizer.{index}.{key}"] = torch.as_tensor(value).float().contiguous()
     tensors["rng.torch"] = torch.get_rng_state()
     tensors["rng.data"] = generator.get_state()
-    groups = [{k: v for k, v in group.items() if k != "params"} | {"params": group["params"]} for group in opt["param_groups"]]
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": g["params"]} for g in opt["param_groups"]]
     metadata = {"info": json.dumps(info), "param_groups": json.dumps(groups)}
     atomic_write(folder / TRAINING_STATE, save_safetensors(tensors, metadata=metadata))
 

@@ -52,6 +52,11 @@ class World:
         return self.size > 1
 
     @property
+    def slot(self) -> tuple[int, int]:
+        """(rank, size): which rows of every global batch are this process's."""
+        return self.rank, self.size
+
+    @property
     def main(self) -> bool:
         """Rank 0 alone writes files, metrics and progress."""
         return self.rank == 0

@@ -60,7 +60,8 @@ class AFTConfig:
         """Raise AftgenError naming the first field whose type or range is wrong."""
         for name, annotation in typing.get_type_hints(AFTConfig).items():
             if not _is_a(getattr(self, name), annotation):
-                raise AftgenError(f"config field '{name}' must be {_type_name(annotation)}, got {getattr(self, name)!r}")
+                wanted, got = _type_name(annotation), getattr(self, name)
+                raise AftgenError(f"config field '{name}' must be {wanted}, got {got!r}")
         positive = ("vocab_size", "n_layer", "n_embd", "n_head", "context_length", "mlp_ratio")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -70,7 +71,8 @@ class AFTConfig:
                 raise AftgenError(f"config field '{name}' must be at most {limit}, got {getattr(self, name)}")
         if self.approximate_parameters() > MAX_PARAMETERS:
             raise AftgenError(
-                f"this config needs about {self.approximate_parameters():.3g} parameters, more than aftgen's limit of {MAX_PARAMETERS:.3g}"
+                f"this config needs about {self.approximate_parameters():.3g} parameters, "
+                f"more than aftgen's limit of {MAX_PARAMETERS:.3g}"
             )
         if self.n_embd % self.n_head:
             raise AftgenError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")

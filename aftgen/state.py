@@ -97,7 +97,8 @@ def load_state(path: Path | str, model: AFTLM, tokenizer: Tokenizer) -> Context:
     for name, tensor in tensors.items():
         if not _fits(tensor, expected[name]):
             raise AftgenError(
-                f"{path}: tensor '{name}' is {tensor.dtype} {tuple(tensor.shape)}, expected {expected[name].dtype} {tuple(expected[name].shape)}"
+                f"{path}: tensor '{name}' is {tensor.dtype} {tuple(tensor.shape)}, "
+                f"expected {expected[name].dtype} {tuple(expected[name].shape)}"
             )
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise AftgenError(f"{path}: tensor '{name}' holds NaN or inf")

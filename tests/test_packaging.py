@@ -52,6 +52,8 @@ def test_wheel_ships_the_default_model(tmp_path, tiny_run):
     shipped = set(zipfile.ZipFile(wheel).namelist())
     assert {f"aftgen/models/shakespeare/{name}" for name in (*CHECKPOINT_FILES, CARD)} <= shipped
     assert not any(name.startswith("models/") for name in shipped)
+    packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "aftgen").rglob("__init__.py")}
+    assert {f"{package}/__init__.py" for package in packages} <= shipped  # every subpackage
 
     target = tmp_path / "installed"
     pip("install", "--no-deps", "--no-index", "--target", str(target), str(wheel), cwd=tmp_path)
@@ -59,7 +61,8 @@ def test_wheel_ships_the_default_model(tmp_path, tiny_run):
     env = {**os.environ, "PYTHONPATH": str(target)}
     probe = "import aftgen.api as a; print(a.__file__); print(a.default_model_path())"
     where = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert all(Path(line).is_relative_to(target) for line in where.stdout.split()), where.stdout + where.stderr
+    paths = where.stdout.split()
+    assert len(paths) == 2 and all(Path(p).is_relative_to(target) for p in paths), where.stdout + where.stderr
     done = subprocess.run(
         [str(target / "bin" / "aftgen"), "sample", *SAMPLE],
         capture_output=True,

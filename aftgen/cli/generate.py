@@ -40,7 +40,8 @@ RepeatLastN = Annotated[int, _sampling("How many recent tokens the penalty cover
 Stop = Annotated[list[str] | None, _sampling("End before this string (repeatable).")]
 Seed = Annotated[int | None, _sampling("Random seed (with --load-state: replaces the saved generator).")]
 LoadState = Annotated[
-    Path | None, typer.Option(help="Continue from a state file (sample --save-state, prime).", rich_help_panel=STATE_PANEL)
+    Path | None,
+    typer.Option(help="Continue from a state file (sample --save-state, prime).", rich_help_panel=STATE_PANEL),
 ]
 SaveState = Annotated[
     Path | None, typer.Option(help="Write the state after the run, to continue it later.", rich_help_panel=STATE_PANEL)

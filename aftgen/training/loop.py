@@ -62,7 +62,8 @@ def _train(options: TrainOptions, placement: Placement, world: World, quiet: boo
         training = _start(options, run, corpus, placement, world, reporter.log)
         stopped_by = _loop(options, run, corpus, training, placement, world, reporter, on_eval)
         if stopped_by:
-            reporter.log(f"{stopped_by}: saved step {training.step} to {run.path}; continue with: {run.continue_command()}")
+            saved = f"saved step {training.step} to {run.path}"
+            reporter.log(f"{stopped_by}: {saved}; continue with: {run.continue_command()}")
             raise TrainingInterrupted(run.path)
         if world.main:
             _finish(options, run, corpus, training, reporter.log)
@@ -193,7 +194,7 @@ def _loop(options, run, corpus, training, placement, world, reporter, on_eval) -
                 break
             lr = learning_rate(options, training.step, progress)
             set_learning_rate(training.optimizer, lr)
-            inputs, targets = data.batch(corpus.train_ids, batch_size, length, training.generator, world.rank, world.size)
+            inputs, targets = data.batch(corpus.train_ids, batch_size, length, training.generator, *world.slot)
             loss = _step(trainer, training, scaler, inputs, targets, placement, options.grad_clip, run)
             meter.add(loss, inputs.numel() * world.size)
             reporter.update(training.step, progress, meter.status())
@@ -272,7 +273,8 @@ def _finish(options: TrainOptions, run: RunFolder, corpus: Corpus, training: Tra
     model.load_state_dict(read_weights(run.path / WEIGHTS, model))
     if options.keep_best:
         best = run.best
-        log(f"keeping the weights of step {best['step']} (quick held-out {best['held_out_nats_per_char']:.4f} nats/char)")
+        score = best["held_out_nats_per_char"]
+        log(f"keeping the weights of step {best['step']} (quick held-out {score:.4f} nats/char)")
     # Attention's KV cache grows with the stream (quadratic time to read it) and its RoPE positions
     # are untrained past the training length, so attention runs are scored in windows of that length.
     reset_every = model.config.context_length if model.config.mixer == "attention" else 0

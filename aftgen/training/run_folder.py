@@ -66,7 +66,8 @@ class RunFolder:
         holds_run = (path / TRAINING_INFO).exists() or (path / TRAINING_STATE).exists() or is_checkpoint(path)
         if not options.resume and not options.overwrite and holds_run:
             raise AftgenError(
-                f"{path} already holds a run (or a checkpoint); pass --resume to continue it or --overwrite to replace it"
+                f"{path} already holds a run (or a checkpoint); "
+                "pass --resume to continue it or --overwrite to replace it"
             )
         if options.resume and not (path / TRAINING_STATE).exists():
             raise AftgenError(f"{path} has no training state to resume; drop --resume to start a new run")
