@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_corpus
 from typer.testing import CliRunner
 
+from aftgen.api import load
 from aftgen.cli import app
 
 runner = CliRunner()
@@ -78,3 +84,54 @@ def test_not_a_checkpoint(tmp_path, corpus):
     assert result.returncode == 2 and "not an aftgen checkpoint" in result.stderr
     result = run_cli("eval", "--model", str(tmp_path / "nope"), str(corpus))
     assert result.returncode == 2 and "no such checkpoint" in result.stderr
+
+
+def direct_nll(model, ids: list[int]) -> torch.Tensor:
+    """Each token's negative log-likelihood from one plain forward pass over the whole sequence."""
+    sequence = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(sequence[:, :-1])[0]
+    return F.cross_entropy(logits, sequence[0, 1:], reduction="none").double()
+
+
+def test_eval_figures_are_the_mean_negative_log_likelihood(tiny_run, tmp_path):
+    model, tokenizer = load(str(tiny_run))
+    text = make_corpus(6_000, seed=9) + " caf\u00e9 \u65e5\u672c"  # past one 1,024-token chunk; multi-byte characters
+    path = tmp_path / "held_out.txt"
+    path.write_text(text, encoding="utf-8")
+    ids = [tokenizer.bos_id, *tokenizer.encode(text)]
+    assert len(ids) > 1024 + 100
+    nll = direct_nll(model, ids)
+    for extra, windows in (([], [nll]), (["--reset-every", "300"], [])):
+        if extra:  # independent windows of 300 predicted tokens, each read from BOS + its own tokens
+            windows = [direct_nll(model, ids[start : start + 301]) for start in range(0, len(nll), 300)]
+        result = runner.invoke(app, ["eval", "--model", str(tiny_run), str(path), "--json", *extra])
+        assert result.exit_code == 0, result.output
+        figures, total = json.loads(result.stdout), float(torch.cat(windows).sum())
+        assert figures["tokens"] == len(ids) - 1 and figures["chars"] == len(text)
+        assert figures["nats_per_token"] == pytest.approx(total / (len(ids) - 1), rel=1e-5)
+        assert figures["nats_per_char"] == pytest.approx(total / len(text), rel=1e-5)
+        assert figures["bits_per_char"] == pytest.approx(total / len(text) / math.log(2), rel=1e-5)
+        assert figures["bits_per_byte"] == pytest.approx(total / len(text.encode()) / math.log(2), rel=1e-5)
+
+
+def test_num_samples_gives_that_many_different_continuations_of_one_prompt(tiny_run):
+    args = ["sample", "--model", str(tiny_run), "-p", "KING:", "-n", "30", "--seed", "2", "--num-samples", "3"]
+    first, again = runner.invoke(app, args), runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    samples = first.stdout.rstrip("\n").split("\n\n---\n\n")
+    assert len(samples) == 3 and all(s.startswith("KING:") for s in samples)
+    assert len(set(samples)) == 3  # each continuation draws its own tokens
+    assert again.stdout == first.stdout  # and the seed fixes all of them
+
+
+def test_prompt_from_stdin_or_a_file_equals_the_prompt_option(tiny_run, tmp_path):
+    prompt = "KING:\nGood night, sweet \u65e5 lady."
+    (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
+    common = ["sample", "--model", str(tiny_run), "-n", "25", "--seed", "4"]
+    given = runner.invoke(app, [*common, "--prompt", prompt])
+    piped = runner.invoke(app, [*common, "--prompt", "-"], input=prompt)
+    from_file = runner.invoke(app, [*common, "--prompt-file", str(tmp_path / "prompt.txt")])
+    assert given.exit_code == piped.exit_code == from_file.exit_code == 0, piped.output + from_file.output
+    assert given.stdout.startswith(prompt) and len(given.stdout) > len(prompt) + 1
+    assert piped.stdout == given.stdout == from_file.stdout

@@ -137,6 +137,22 @@ def test_resume_is_exact(tmp_path, corpus, tiny_run):
         torch.testing.assert_close(resumed[name], straight[name], atol=1e-6, rtol=0, msg=name)
 
 
+def test_a_second_ctrl_c_stops_at_once_without_saving_again(tmp_path, corpus, tiny_run):
+    """One Ctrl-C saves and stops; a second one, before that save, stops at once and writes nothing more."""
+
+    def ctrl_c_twice(row: dict) -> None:
+        if row["step"] == 4:  # the held-out check of step 4 comes before its checkpoint
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train_tiny(corpus, out, on_eval=ctrl_c_twice, max_steps=10)
+    assert trained_step(out) == 2  # neither step 4's checkpoint nor the save on stopping was written
+    assert temporaries(out) == []
+    aftgen.load(out)
+
+
 def test_resume_with_more_steps_continues_a_finished_run(tmp_path, corpus, tiny_run):
     out = train_tiny(corpus, tmp_path / "run", max_steps=4)
     train_tiny(corpus, out, max_steps=8, resume=True)

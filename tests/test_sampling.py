@@ -291,6 +291,25 @@ def test_compiled_chunk_reader_reads_a_long_prompt_as_eager_does(tiny_run, monke
             torch.testing.assert_close(fast[name], slow[name], atol=1e-4, rtol=1e-4, msg=name)
 
 
+def test_compiled_step_generates_what_the_eager_step_does(tiny_run):
+    """sample/chat --compile: the step through torch.compile gives the eager step's logits and states."""
+    from aftgen.model import compile_step
+
+    model, tokenizer = load(str(tiny_run))
+    step, note = compile_step(model)
+    assert step != model.step and note.startswith("compiled"), note
+    fast = read_prompt(model, tokenizer, "KING: good night", seed=0)
+    slow = read_prompt(model, tokenizer, "KING: good night", seed=0)
+    with torch.inference_mode():
+        for token in torch.randint(0, tokenizer.vocab_size, (40,), generator=torch.Generator().manual_seed(1)):
+            fast_logits, _ = step(token.view(1), fast.state)
+            slow_logits, _ = model.step(token.view(1), slow.state)
+            torch.testing.assert_close(fast_logits, slow_logits, atol=1e-4, rtol=1e-4)
+    for compiled_layer, eager_layer in zip(fast.state, slow.state, strict=True):
+        for name in compiled_layer:
+            torch.testing.assert_close(compiled_layer[name], eager_layer[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_chunk_reader_falls_back_to_eager_where_compiling_fails(tiny_run, monkeypatch):
     from aftgen.model import compile_prefill
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -75,17 +76,18 @@ def test_keep_best_checks_the_last_step_and_survives_resume(tmp_path, corpus, ti
     assert all(torch.equal(before[name], after[name]) for name in before)
 
 
-def test_fp16_weights_halve_the_file_and_load_as_fp32(tmp_path, corpus, tiny_run):
+@pytest.mark.parametrize("stored", ["fp16", "bf16"])
+def test_half_precision_weights_halve_the_file_and_load_as_fp32(tmp_path, corpus, tiny_run, stored):
     full = train_tiny(corpus, tmp_path / "fp32", max_steps=4)
-    half = train_tiny(corpus, tmp_path / "fp16", max_steps=4, weights_dtype="fp16")
-    stored = load_file(half / WEIGHTS)
-    assert {t.dtype for t in stored.values()} == {torch.float16}
+    half = train_tiny(corpus, tmp_path / stored, max_steps=4, weights_dtype=stored)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[stored]
+    assert {t.dtype for t in load_file(half / WEIGHTS).values()} == {dtype}
     assert (half / WEIGHTS).stat().st_size < 0.55 * (full / WEIGHTS).stat().st_size
     model, _ = load_checkpoint(half)
     reference = load_file(full / WEIGHTS)  # the same run at fp32
     for name, tensor in model.state_dict().items():
         assert tensor.dtype == torch.float32
-        torch.testing.assert_close(tensor, reference[name].half().float(), atol=0, rtol=0, msg=name)
+        torch.testing.assert_close(tensor, reference[name].to(dtype).float(), atol=0, rtol=0, msg=name)
 
 
 def test_held_out_check_over_many_windows_is_the_plain_mean(tmp_path):
@@ -98,3 +100,48 @@ def test_held_out_check_over_many_windows_is_the_plain_mean(tmp_path):
     with torch.no_grad():
         expected = F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
     assert evaluate.window_loss(model, ids, length, windows) == pytest.approx(float(expected), rel=1e-5)
+
+
+class TickingClock:
+    """time.monotonic for the training loop that moves 10 ms a call: a wall-time budget, run deterministically."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        self.now += 0.01
+        return self.now
+
+
+def test_max_time_stops_the_run_and_its_schedule_follows_the_clock(tmp_path, corpus, tiny_run, monkeypatch):
+    from aftgen.training import loop
+
+    monkeypatch.setattr(loop, "time", TickingClock())
+    lr, floor = 2e-3, 0.1
+    out = train_tiny(corpus, tmp_path / "run", max_time="2s", max_steps=10**6, warmup_steps=0, eval_interval=1)
+    info = json.loads((out / TRAINING_INFO).read_text())
+    assert 2.0 <= info["elapsed"] < 2.5 and 0 < info["step"] < 1000  # the clock ended it, far from max_steps
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rates = [row["lr"] for row in rows]
+    assert rates == sorted(rates, reverse=True)  # cosine decay along the clock...
+    assert rates[0] > 0.95 * lr and rates[-1] < 1.1 * floor * lr  # ...from the peak to the floor
+    # By steps alone (step / 10**6) the schedule would not have left the peak.
+    assert rates[-1] < lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * 0.9)))
+
+
+def test_no_decay_trains_the_papers_aft_local(tmp_path, corpus, tiny_run):
+    from typer.testing import CliRunner
+
+    from aftgen.cli import app
+
+    out = tmp_path / "paper"
+    args = ["train", str(corpus), "--out", str(out), "--preset", "tiny", "--vocab-size", "400", "--max-steps", "4"]
+    result = CliRunner().invoke(app, [*args, "--eval-interval", "2", "--no-decay", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["decay"] is False
+    trained, _ = load_checkpoint(out)
+    untrained = AFTLM(trained.config)
+    for block, fresh in zip(trained.blocks, untrained.blocks, strict=True):
+        assert torch.equal(block.mixer.decay(), torch.zeros_like(block.mixer.decay()))  # lambda = 0: no decay
+        assert not block.mixer.decay_logit.requires_grad
+        torch.testing.assert_close(block.mixer.decay_logit, fresh.mixer.decay_logit, atol=0, rtol=0)  # never trained
