@@ -111,8 +111,8 @@ def reuse_freed_memory() -> bool:
 
     Reading a prompt allocates and frees megabytes of intermediates per chunk. glibc returns blocks
     above its mmap threshold to the kernel when they are freed (and trims its heap), so the next
-    chunk touches fresh pages, each 4 KiB costing a page fault: thousands per chunk, a quarter of
-    its time in some processes. Raised thresholds keep that memory in the process, as jemalloc and
+    chunk touches fresh pages, each 4 KiB costing a page fault. Raised thresholds keep that memory
+    in the process, as jemalloc and
     tcmalloc do (which PyTorch's CPU tuning guide recommends). Peak memory is unchanged; freed memory
     is reused, not returned before exit. Returns whether it took effect (False off glibc).
     """

@@ -208,8 +208,7 @@ class AFTLM(nn.Module):
 
         `last_only` computes logits for the last position alone (B, 1, vocab): reading a prompt needs
         nothing else. The last block then needs every token's keys and values (for the state) but
-        its mixer output and MLP for the last token alone (llama.cpp skips them too): in a 4-layer
-        model, a fifth of the matrix work per prompt token.
+        its mixer output and MLP for the last token alone (llama.cpp skips them too).
         """
         x = self.embed(ids.to(self.embed.weight.device))  # ids may come from the CPU
         states = state or [None] * len(self.blocks)

@@ -60,7 +60,7 @@ def bench_generate(model: AFTLM, log: Callable[[str], None] = print) -> list[Row
     memory = _generate_and_weigh(model, step, row)
 
     # The step's cost does not depend on the context, so the ratios take the median of its four
-    # timings: one context's timing alone can be off by a fifth on a shared machine.
+    # timings: one context's timing alone can be far off on a shared machine.
     typical = statistics.median(latency.values())
     rows.append(TARGETS["latency growth"].judge(latency[CONTEXTS[-1]] / latency[CONTEXTS[0]]))
     rows.append(TARGETS["memory growth"].judge(memory[GENERATED[-1]][1] - memory[GENERATED[0]][1]))
@@ -101,8 +101,8 @@ def _time_side_by_side(model: AFTLM, step: Callable, reader: Callable) -> dict:
         states[context] = clone_state(state)
     calls, longest = CALLS_PER_ROUND, states[CONTEXTS[-1]]
     timers = {
-        # The compiled steps one after another, after the floor's alike matvecs: in earlier runs the
-        # one taking its turn after the eager step ran a fifth slower than the others.
+        # The compiled steps one after another, after the floor's alike matvecs: one taking its turn
+        # right after the eager step runs slow on what that left in the caches.
         "floor": products_timer(model, calls=calls),
         **{context: step_timer(step, states[context], calls) for context in CONTEXTS},
         "eager": step_timer(model.step, states[CONTEXTS[0]], calls),
