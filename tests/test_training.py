@@ -145,3 +145,26 @@ def test_no_decay_trains_the_papers_aft_local(tmp_path, corpus, tiny_run):
         assert torch.equal(block.mixer.decay(), torch.zeros_like(block.mixer.decay()))  # lambda = 0: no decay
         assert not block.mixer.decay_logit.requires_grad
         torch.testing.assert_close(block.mixer.decay_logit, fresh.mixer.decay_logit, atol=0, rtol=0)  # never trained
+
+
+def test_run_folder_alone_refuses_mistakes_and_keeps_the_best_check(tmp_path, corpus, tiny_run):
+    from aftgen.distributed import World
+    from aftgen.errors import AftgenError
+    from aftgen.training import TrainOptions
+    from aftgen.training.loop import Clock
+    from aftgen.training.run_folder import RunFolder
+
+    with pytest.raises(AftgenError, match="already holds a run"):
+        RunFolder(TrainOptions(corpus, tiny_run), World())
+    with pytest.raises(AftgenError, match="no training state to resume"):
+        RunFolder(TrainOptions(corpus, tmp_path / "new", resume=True), World())
+    run = RunFolder(TrainOptions(corpus, tmp_path / "new", keep_best=True), World())
+    checks = [
+        run.record({"step": step, "held_out_nats_per_char": score}) for step, score in ((2, 3.0), (4, 2.0), (6, 2.5))
+    ]
+    assert checks == [True, True, False] and run.best == {"step": 4, "held_out_nats_per_char": 2.0}
+    assert [json.loads(line)["step"] for line in (run.path / "metrics.jsonl").read_text().splitlines()] == [2, 4, 6]
+
+    clock = Clock(TrainOptions(corpus, max_steps=100, max_time=10), elapsed_before=0)
+    assert clock.progress(step=10, elapsed=5.0) == 0.5  # the clock runs out first
+    assert clock.progress(step=80, elapsed=5.0) == 0.8  # the steps do

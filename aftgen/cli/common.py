@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, TypeVar
 
@@ -43,6 +45,24 @@ ModelOption = Annotated[
 ]
 
 Options = TypeVar("Options")
+Command = TypeVar("Command", bound=Callable)
+# Where the model runs: every command that runs one takes these (as **hardware) and calls placement().
+HARDWARE_OPTIONS = {"device": (DeviceOption, "auto"), "dtype": (DtypeOption, "auto"), "threads": (ThreadsOption, None)}
+
+
+def with_options(group: dict[str, tuple[object, object]]) -> Callable[[Command], Command]:
+    """Give a command a group of options several commands share, {name: (Annotated type, default)}:
+    typer reads the parameters from the signature set here, and the command takes them as **kwargs."""
+
+    def add(command: Command) -> Command:
+        signature = inspect.signature(command, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+                  for name, (annotation, default) in group.items()]  # fmt: skip
+        command.__signature__ = signature.replace(parameters=[*own, *shared])
+        return command
+
+    return add
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -103,12 +123,12 @@ def set_up_torch(threads: int | None = None) -> None:
     set_threads(threads)
 
 
-def placement(device: str, dtype: str, threads: int | None):
-    """Threads first, then the device and dtype: one call for every command that runs a model."""
+def placement(hardware: dict):
+    """Threads first, then the device and dtype (HARDWARE_OPTIONS): one call for every command that runs a model."""
     from aftgen.device import resolve
 
-    set_up_torch(threads)
-    return resolve(device, dtype)
+    set_up_torch(hardware["threads"])
+    return resolve(hardware["device"], hardware["dtype"])
 
 
 def require_file(path: Path | None, what: str) -> None:

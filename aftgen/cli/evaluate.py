@@ -8,9 +8,10 @@ from typing import Annotated
 
 import typer
 
-from aftgen.cli.common import DeviceOption, DtypeOption, ThreadsOption, command, placement
+from aftgen.cli.common import HARDWARE_OPTIONS, command, placement, with_options
 
 
+@with_options(HARDWARE_OPTIONS)
 @command
 def evaluate(
     file: Annotated[Path, typer.Argument(help="Text file to score.")],
@@ -21,9 +22,7 @@ def evaluate(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
     encoding: Annotated[str, typer.Option()] = "utf-8",
     errors: Annotated[str, typer.Option()] = "strict",
-    device: DeviceOption = "auto",
-    dtype: DtypeOption = "auto",
-    threads: ThreadsOption = None,
+    **hardware,
 ) -> None:
     """Held-out loss of a model on a file: nats/token, nats/char, bits/char, bits/byte."""
     from aftgen.api import load
@@ -31,7 +30,7 @@ def evaluate(
     from aftgen.evaluate import evaluate_text
 
     text = read_text(file, encoding, errors)
-    where = placement(device, dtype, threads)
+    where = placement(hardware)
     lm, tokenizer = load(model, where.device)
     with where.autocast():
         result = evaluate_text(lm, tokenizer, text, reset_every=reset_every)

@@ -10,16 +10,15 @@ from typing import Annotated
 import typer
 
 from aftgen.cli.common import (
+    HARDWARE_OPTIONS,
     SAMPLE_PANEL,
     STATE_PANEL,
-    DeviceOption,
-    DtypeOption,
     ModelOption,
-    ThreadsOption,
     command,
     options_from,
     placement,
     require_file,
+    with_options,
 )
 from aftgen.errors import AftgenError
 from aftgen.sampling import SamplingOptions as Defaults
@@ -29,16 +28,25 @@ def _sampling(help: str, *names: str):
     return typer.Option(*names, help=help, rich_help_panel=SAMPLE_PANEL)
 
 
-# Options shared by `sample` and `chat` (llama.cpp / transformers names and meanings).
-MaxNewTokens = Annotated[int, _sampling("-1: until stopped.", "--max-new-tokens", "-n")]
-Temperature = Annotated[float, _sampling("0: greedy.")]
-TopK = Annotated[int, _sampling("Keep the k likeliest tokens (0: off).")]
-TopP = Annotated[float, _sampling("Keep the smallest set reaching p.")]
-MinP = Annotated[float, _sampling("Drop tokens below min_p x the top probability.")]
-RepeatPenalty = Annotated[float, _sampling("Divide recent tokens' positive logits by this (1: off).")]
-RepeatLastN = Annotated[int, _sampling("How many recent tokens the penalty covers.")]
-Stop = Annotated[list[str] | None, _sampling("End before this string (repeatable).")]
 Seed = Annotated[int | None, _sampling("Random seed (with --load-state: replaces the saved generator).")]
+# Options `sample` and `chat` share (llama.cpp / transformers names and meanings), defaults from SamplingOptions.
+SAMPLING_OPTIONS = {
+    "max_new_tokens": (
+        Annotated[int, _sampling("-1: until stopped.", "--max-new-tokens", "-n")],
+        Defaults.max_new_tokens,
+    ),
+    "temperature": (Annotated[float, _sampling("0: greedy.")], Defaults.temperature),
+    "top_k": (Annotated[int, _sampling("Keep the k likeliest tokens (0: off).")], Defaults.top_k),
+    "top_p": (Annotated[float, _sampling("Keep the smallest set reaching p.")], Defaults.top_p),
+    "min_p": (Annotated[float, _sampling("Drop tokens below min_p x the top probability.")], Defaults.min_p),
+    "repeat_penalty": (
+        Annotated[float, _sampling("Divide recent tokens' positive logits by this (1: off).")],
+        Defaults.repeat_penalty,
+    ),
+    "repeat_last_n": (Annotated[int, _sampling("How many recent tokens the penalty covers.")], Defaults.repeat_last_n),
+    "seed": (Seed, Defaults.seed),
+}
+GENERATION_OPTIONS = SAMPLING_OPTIONS | HARDWARE_OPTIONS
 LoadState = Annotated[
     Path | None,
     typer.Option(help="Continue from a state file (sample --save-state, prime).", rich_help_panel=STATE_PANEL),
@@ -51,8 +59,8 @@ Compile = Annotated[
 ]
 
 
-def _sampling_options(parameters: dict, stop: list[str] | None) -> Defaults:
-    options = options_from(Defaults, parameters, stop=tuple(stop or ()))
+def _sampling_options(shared: dict, stop: list[str] | None, num_samples: int = 1) -> Defaults:
+    options = options_from(Defaults, shared, stop=tuple(stop or ()), num_samples=num_samples)
     options.check()
     return options
 
@@ -81,39 +89,30 @@ def _prompt_text(prompt: str, prompt_file: Path | None) -> str:
     return sys.stdin.read() if prompt == "-" else prompt
 
 
+@with_options(GENERATION_OPTIONS)
 @command
 def sample(
     model: ModelOption = None,
     prompt: Annotated[str, _sampling("Text to continue; '-' reads stdin.", "--prompt", "-p")] = "",
     prompt_file: Annotated[Path | None, _sampling("Read the prompt from a file.")] = None,
-    max_new_tokens: MaxNewTokens = Defaults.max_new_tokens,
-    temperature: Temperature = Defaults.temperature,
-    top_k: TopK = Defaults.top_k,
-    top_p: TopP = Defaults.top_p,
-    min_p: MinP = Defaults.min_p,
-    repeat_penalty: RepeatPenalty = Defaults.repeat_penalty,
-    repeat_last_n: RepeatLastN = Defaults.repeat_last_n,
-    stop: Stop = None,
+    stop: Annotated[list[str] | None, _sampling("End before this string (repeatable).")] = None,
     num_samples: Annotated[int, _sampling("Continuations of one prompt.")] = Defaults.num_samples,
-    seed: Seed = Defaults.seed,
     load_state: LoadState = None,
     save_state: SaveState = None,
     compile_step: Compile = False,
     echo: Annotated[bool, typer.Option(help="Print the prompt before the continuation.")] = True,
-    device: DeviceOption = "auto",
-    dtype: DtypeOption = "auto",
-    threads: ThreadsOption = None,
+    **shared,
 ) -> None:
     """Continue a prompt, streaming text to stdout as it is made."""
     from aftgen.sampling import read_prompt, sample_text
     from aftgen.state import save_state as write_state
 
-    options = _sampling_options(locals(), stop)
+    options = _sampling_options(shared, stop, num_samples)
     if save_state is not None and num_samples > 1:
         raise AftgenError("--save-state keeps one continuation; use it with --num-samples 1")
     require_file(load_state, "state file")
     prompt = _prompt_text(prompt, prompt_file)
-    where = placement(device, dtype, threads)
+    where = placement(shared)
     lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step, where)
     with where.autocast():
         context = read_prompt(lm, tokenizer, prompt, context, options.seed)
@@ -139,6 +138,7 @@ def _write_samples(runs, prompt: str, newline: bool) -> None:
         sys.stdout.flush()
 
 
+@with_options(HARDWARE_OPTIONS)
 @command
 def prime(
     text_file: Annotated[Path, typer.Argument(help="Text to read (any length: read in chunks, constant memory).")],
@@ -154,9 +154,7 @@ def prime(
             help="torch.compile the chunk reader: seconds of warm-up, then faster reading of long texts.",
         ),
     ] = False,
-    device: DeviceOption = "auto",
-    dtype: DtypeOption = "auto",
-    threads: ThreadsOption = None,
+    **hardware,
 ) -> None:
     """Read a text once into a state file that `sample`/`chat --load-state` start from."""
     from aftgen.data import read_text
@@ -166,7 +164,7 @@ def prime(
     from aftgen.state import save_state as write_state
 
     text = read_text(text_file, encoding, errors)
-    where = placement(device, dtype, threads)
+    where = placement(hardware)
     lm, tokenizer, _, _ = _load_for_generation(model, None, False, where)
     prefill = None
     if compile_prefill:
@@ -182,26 +180,17 @@ def prime(
     print(out)
 
 
+@with_options(GENERATION_OPTIONS)
 @command
 def chat(
     model: ModelOption = None,
-    max_new_tokens: MaxNewTokens = Defaults.max_new_tokens,
-    temperature: Temperature = Defaults.temperature,
-    top_k: TopK = Defaults.top_k,
-    top_p: TopP = Defaults.top_p,
-    min_p: MinP = Defaults.min_p,
-    repeat_penalty: RepeatPenalty = Defaults.repeat_penalty,
-    repeat_last_n: RepeatLastN = Defaults.repeat_last_n,
     stop: Annotated[
         list[str] | None, _sampling("End a reply before this string (repeatable; default: a blank line).")
     ] = None,
-    seed: Seed = Defaults.seed,
     load_state: LoadState = None,
     save_state: SaveState = None,
     compile_step: Compile = False,
-    device: DeviceOption = "auto",
-    dtype: DtypeOption = "auto",
-    threads: ThreadsOption = None,
+    **shared,
 ) -> None:
     """Talk to a model: each line you type is read into the running state and the model answers.
 
@@ -210,9 +199,9 @@ def chat(
     from aftgen.chat import REPLY_END, run_chat
     from aftgen.state import save_state as write_state
 
-    options = _sampling_options(locals(), stop or [REPLY_END])
+    options = _sampling_options(shared, stop or [REPLY_END])
     require_file(load_state, "state file")
-    where = placement(device, dtype, threads)
+    where = placement(shared)
     lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step, where)
     with where.autocast():
         context = run_chat(lm, tokenizer, options, context, step)

@@ -12,15 +12,14 @@ import typer
 
 from aftgen.cli.common import (
     DATA_PANEL,
+    HARDWARE_OPTIONS,
     HARDWARE_PANEL,
     MODEL_PANEL,
     TRAIN_PANEL,
-    DeviceOption,
-    DtypeOption,
-    ThreadsOption,
     command,
     options_from,
     set_up_torch,
+    with_options,
 )
 from aftgen.training.options import TrainOptions as Defaults
 
@@ -29,6 +28,7 @@ def _option(help: str | None = None, panel: str | None = None, *names: str):
     return typer.Option(*names, help=help, rich_help_panel=panel)
 
 
+@with_options(HARDWARE_OPTIONS)
 @command
 def train(
     corpus: Annotated[Path, typer.Argument(help="UTF-8 text file to learn from.")],
@@ -76,13 +76,11 @@ def train(
     encoding: Annotated[str, _option("Text encoding of the corpus.", DATA_PANEL)] = Defaults.encoding,
     errors: Annotated[str, _option("strict | replace | ignore undecodable bytes.", DATA_PANEL)] = Defaults.errors,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
-    device: DeviceOption = Defaults.device,
-    dtype: DtypeOption = Defaults.dtype,
     compile: Annotated[
         bool,
         _option("torch.compile the training model (falls back to eager).", HARDWARE_PANEL, "--compile/--no-compile"),
     ] = Defaults.compile,
-    threads: ThreadsOption = None,
+    **hardware,
 ) -> None:
     """Train a tokenizer and a model on a text file; prints the run folder on stdout.
 
@@ -91,9 +89,10 @@ def train(
     from aftgen.training import TrainingInterrupted, TrainOptions
     from aftgen.training import train as run_training
 
-    options = options_from(TrainOptions, locals(), command=shlex.join(["aftgen", *sys.argv[1:]]))
+    given = locals() | hardware
+    options = options_from(TrainOptions, given, command=shlex.join(["aftgen", *sys.argv[1:]]))
     options.check()
-    set_up_torch(threads)
+    set_up_torch(hardware["threads"])
     main_process = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 prints the run folder
     try:
         run = run_training(options, quiet=quiet)
