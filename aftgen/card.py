@@ -13,11 +13,7 @@ def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str =
     last = metrics[-1] if metrics else {}
     final = info.get("final_eval") or {}
     lines = [
-        "---",
-        "library_name: aftgen",
-        "license: mit",
-        "tags: [aftgen, attention-free-transformer, text-generation]",
-        "---",
+        *_metadata(info.get("base_model") or {}),
         f"# {info.get('name', 'aftgen model')}",
         "",
         "A causal AFT-local language model (Attention Free Transformer, Zhai et al. 2021) trained with",
@@ -34,6 +30,9 @@ def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str =
         f"| vocabulary | {config.vocab_size} ({info.get('tokenizer_type', '?')}) |",
         f"| steps / wall time | {info.get('step', '?')} / {info.get('elapsed', 0):.0f} s |",
     ]
+    base = info.get("base_model")
+    if base:
+        lines.append(f"| fine-tuned from | {base['model']} (weights sha256 {base['weights_sha256'][:12]}) |")
     best = info.get("best")
     if best and info.get("options", {}).get("keep_best"):
         lines.append(f"| weights kept | step {best['step']}: the best held-out check during training |")
@@ -48,6 +47,15 @@ def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str =
     if sample:
         lines += ["A sample:", "", "```", sample, "```", ""]
     return "\n".join(lines)
+
+
+def _metadata(base_model: dict) -> list[str]:
+    """The card's YAML header: what the Hub filters and links by (base_model names a Hub repo)."""
+    header = ["---", "library_name: aftgen", "license: mit", "pipeline_tag: text-generation"]
+    header.append("tags: [aftgen, attention-free-transformer, text-generation]")
+    if base_model.get("hub_id"):
+        header.append(f"base_model: {base_model['hub_id']}")
+    return [*header, "---"]
 
 
 def run_card(folder: Path, config: AFTConfig, sample: str = "") -> str:

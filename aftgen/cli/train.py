@@ -35,7 +35,16 @@ def train(
     out: Annotated[Path | None, _option("Run folder (default runs/<corpus-stem>).")] = None,
     resume: Annotated[bool, _option("Continue the run in --out where it stopped.")] = Defaults.resume,
     overwrite: Annotated[bool, _option("Replace a run already in --out.")] = Defaults.overwrite,
-    preset: Annotated[str, _option("tiny | small | medium.", MODEL_PANEL)] = Defaults.preset,
+    init_from: Annotated[
+        str | None,
+        _option(
+            "Fine-tune this model (a checkpoint folder or OWNER/NAME\\[@REV] from the Hub): its tokenizer and "
+            "architecture are kept, the optimiser starts fresh, and the defaults become --lr 3e-4, "
+            "--warmup-steps 20, --keep-best.",
+            TRAIN_PANEL,
+        ),
+    ] = None,
+    preset: Annotated[str | None, _option("tiny | small | medium (default: small).", MODEL_PANEL)] = Defaults.preset,
     n_layer: Annotated[int | None, _option(None, MODEL_PANEL, "--layers")] = None,
     n_embd: Annotated[int | None, _option(None, MODEL_PANEL, "--width")] = None,
     n_head: Annotated[int | None, _option(None, MODEL_PANEL, "--heads")] = None,
@@ -56,8 +65,8 @@ def train(
     max_steps: Annotated[int, _option(None, TRAIN_PANEL)] = Defaults.max_steps,
     max_time: Annotated[str | None, _option("Wall-time budget: 150, 90s, 10m, 1h.", TRAIN_PANEL)] = None,
     batch_size: Annotated[int | None, _option(None, TRAIN_PANEL)] = None,
-    lr: Annotated[float, _option("Peak learning rate.", TRAIN_PANEL)] = Defaults.lr,
-    warmup_steps: Annotated[int, _option(None, TRAIN_PANEL)] = Defaults.warmup_steps,
+    lr: Annotated[float | None, _option("Peak learning rate (default: 2e-3; 3e-4 fine-tuning).", TRAIN_PANEL)] = None,
+    warmup_steps: Annotated[int | None, _option("Default: 100; 20 fine-tuning.", TRAIN_PANEL)] = None,
     weight_decay: Annotated[float, _option(None, TRAIN_PANEL)] = Defaults.weight_decay,
     grad_clip: Annotated[float, _option(None, TRAIN_PANEL)] = Defaults.grad_clip,
     eval_interval: Annotated[
@@ -65,14 +74,19 @@ def train(
     ] = Defaults.eval_interval,
     eval_windows: Annotated[int, _option("Held-out windows each eval scores.", TRAIN_PANEL)] = Defaults.eval_windows,
     keep_best: Annotated[
-        bool, _option("Publish the weights that scored best on the held-out eval, not the latest.", TRAIN_PANEL)
-    ] = Defaults.keep_best,
+        bool | None,
+        _option(
+            "Publish the weights that scored best on the held-out eval, not the latest (default: off; on when "
+            "fine-tuning).",
+            TRAIN_PANEL,
+        ),
+    ] = None,
     weights_dtype: Annotated[
         str, _option("fp32 | fp16 | bf16: precision of model.safetensors (fp16 halves it).", TRAIN_PANEL)
     ] = Defaults.weights_dtype,
     seed: Annotated[int, _option(None, TRAIN_PANEL)] = Defaults.seed,
-    vocab_size: Annotated[int, _option(None, DATA_PANEL)] = Defaults.vocab_size,
-    tokenizer_type: Annotated[str, _option("bpe | unigram | char.", DATA_PANEL)] = Defaults.tokenizer_type,
+    vocab_size: Annotated[int | None, _option("Default: 1024 (fine-tuning: the base model's).", DATA_PANEL)] = None,
+    tokenizer_type: Annotated[str | None, _option("bpe | unigram | char (default: bpe).", DATA_PANEL)] = None,
     encoding: Annotated[str, _option("Text encoding of the corpus.", DATA_PANEL)] = Defaults.encoding,
     errors: Annotated[str, _option("strict | replace | ignore undecodable bytes.", DATA_PANEL)] = Defaults.errors,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,

@@ -23,6 +23,7 @@ from aftgen.distributed import World
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.tokenizer import Tokenizer
+from aftgen.training.base import BaseModel
 from aftgen.training.optimizer import learning_rate, make_optimizer, set_learning_rate
 from aftgen.training.options import MODEL_FIELDS, TrainOptions
 from aftgen.training.progress import Interrupts, Reporter
@@ -56,10 +57,13 @@ def train(options: TrainOptions, quiet: bool = False, on_eval: EvalCallback | No
 
 
 def _train(options: TrainOptions, placement: Placement, world: World, quiet: bool, on_eval: EvalCallback | None):
-    run = RunFolder(options, world)
+    base = BaseModel.find(options.init_from, world) if options.init_from and not options.resume else None
+    run = RunFolder(options, world, base.config if base else None)
     with Reporter(quiet or not world.main) as reporter:
-        corpus = _load_corpus(options, run, world, reporter.log)
-        training = _start(options, run, corpus, placement, world, reporter.log)
+        corpus = _load_corpus(options, run, base, world, reporter.log)
+        training = _start(options, run, corpus, base, placement, world, reporter.log)
+        if base is not None:  # where fine-tuning starts: the base model's score on the new held-out text
+            _check_and_save(options, run, corpus, training, 0.0, Meter(), None, reporter, on_eval)
         stopped_by = _loop(options, run, corpus, training, placement, world, reporter, on_eval)
         if stopped_by:
             saved = f"saved step {training.step} to {run.path}"
@@ -85,11 +89,13 @@ class Corpus:
         return len(self.held_out_text) / max(1, len(self.held_out_ids) - 1)
 
 
-def _load_corpus(options: TrainOptions, run: RunFolder, world: World, log: Callable[[str], None]) -> Corpus:
+def _load_corpus(options, run: RunFolder, base: BaseModel | None, world: World, log: Callable[[str], None]) -> Corpus:
     """Split the corpus, train (or reuse) the tokenizer and cache the token ids, once per machine."""
     train_text, held_out_text = data.split_text(data.read_text(options.corpus, options.encoding, options.errors))
     if options.resume:
         tokenizer = Tokenizer.load(run.path / "tokenizer.model")
+    elif base is not None:
+        tokenizer = base.tokenizer
     else:  # trained once, by rank 0, and sent to the others
         proto = None
         if world.main:
@@ -110,11 +116,17 @@ def _load_corpus(options: TrainOptions, run: RunFolder, world: World, log: Calla
     return Corpus(tokenizer, train_ids, held_out_ids, held_out_text, min(length, len(held_out_ids) - 1))
 
 
-def _start(options, run: RunFolder, corpus: Corpus, placement: Placement, world: World, log) -> TrainingState:
-    """The model, optimiser and batch generator, fresh from the seed or restored from the run folder."""
+def _start(options, run: RunFolder, corpus: Corpus, base, placement: Placement, world: World, log) -> TrainingState:
+    """The model, optimiser and batch generator: fresh from the seed, from a base model's weights
+    (the optimiser still fresh), or restored from the run folder."""
     torch.manual_seed(options.seed)
     config = AFTConfig(vocab_size=corpus.tokenizer.vocab_size, **{k: run.settings[k] for k in MODEL_FIELDS})
-    model = AFTLM(config).to(placement.device)
+    model = AFTLM(config)
+    if base is not None:
+        base.load_weights_into(model)
+        run.base_model = base.describe(model)
+        log(f"fine-tuning {base.spec} ({model.num_parameters():,} parameters)")
+    model = model.to(placement.device)
     training = TrainingState(model, make_optimizer(model, options), torch.Generator().manual_seed(options.seed))
     if options.resume:
         run.resume(training)
@@ -234,7 +246,7 @@ def _held_out_nats_per_char(options: TrainOptions, corpus: Corpus, model: AFTLM)
 def _check_and_save(options, run, corpus, training, elapsed, meter, lr, reporter, on_eval) -> None:
     """Every eval_interval steps: a row of metrics from the held-out check, and a checkpoint."""
     world = run.world
-    train_loss = world.sum([meter.mean_loss()])[0] / world.size  # over the global batch
+    train_loss = world.sum([meter.mean_loss()])[0] / world.size if meter.steps else None  # over the global batch
     if world.main:
         held_out = _held_out_nats_per_char(options, corpus, training.model)
         row = {
@@ -247,9 +259,11 @@ def _check_and_save(options, run, corpus, training, elapsed, meter, lr, reporter
             "lr": lr,
         }
         improved = run.record(row)
+        trained = f"train loss {train_loss:.4f}, " if train_loss is not None else "before training: "
+        speed = f", {row['tokens_per_s']:,.0f} tok/s" if meter.steps else ""
         reporter.log(
-            f"step {training.step}: train loss {train_loss:.4f}, held-out {held_out:.4f} nats/char "
-            f"({row['held_out_bits_per_char']:.4f} bits/char), {row['tokens_per_s']:,.0f} tok/s"
+            f"step {training.step}: {trained}held-out {held_out:.4f} nats/char "
+            f"({row['held_out_bits_per_char']:.4f} bits/char){speed}"
         )
         if on_eval:
             on_eval(row)

@@ -14,8 +14,15 @@ from aftgen.model import PRESETS, AFTConfig
 
 # AFTConfig fields a run may set (the rest come from the tokenizer); None in TrainOptions means "the preset's".
 MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "window", "context_length", "dropout", "decay", "mixer")
+# What fine-tuning keeps from its base model; dropout, context length, batch and schedule may change.
+ARCHITECTURE = ("n_layer", "n_embd", "n_head", "window", "decay", "mixer", "vocab_size")
 FLAGS = {"n_layer": "--layers", "n_embd": "--width", "n_head": "--heads"}  # options named unlike their field
 ERROR_MODES = ("strict", "replace", "ignore")
+# Options whose default depends on whether the run starts from scratch or fine-tunes a base model
+# (nanoGPT's finetune_shakespeare: a lower learning rate, a short warmup, only the best weights kept).
+FRESH_DEFAULTS = {"lr": 2e-3, "warmup_steps": 100, "keep_best": False}
+FINE_TUNE_DEFAULTS = {"lr": 3e-4, "warmup_steps": 20, "keep_best": True}
+FRESH_ONLY = {"preset": "small", "vocab_size": 1024, "tokenizer_type": "bpe"}  # fine-tuning takes the base's
 
 
 def flag(name: str) -> str:
@@ -29,7 +36,8 @@ class TrainOptions:
 
     corpus: Path
     out: Path | None = None
-    preset: str = "small"
+    init_from: str | None = None  # a checkpoint folder or OWNER/NAME[@REV] to fine-tune
+    preset: str | None = None
     n_layer: int | None = None
     n_embd: int | None = None
     n_head: int | None = None
@@ -39,20 +47,20 @@ class TrainOptions:
     dropout: float | None = None
     decay: bool | None = None
     mixer: str | None = None
-    lr: float = 2e-3
+    lr: float | None = None
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
-    warmup_steps: int = 100
+    warmup_steps: int | None = None
     grad_clip: float = 1.0
     max_steps: int = 5000
     max_time: float | str | None = None  # seconds, or a duration such as "10m"
     eval_interval: int = 250
     eval_windows: int = 32
-    keep_best: bool = False
+    keep_best: bool | None = None
     weights_dtype: str = "fp32"
     seed: int = 1337
-    vocab_size: int = 1024
-    tokenizer_type: str = "bpe"
+    vocab_size: int | None = None
+    tokenizer_type: str | None = None
     encoding: str = "utf-8"
     errors: str = "strict"
     resume: bool = False
@@ -65,20 +73,45 @@ class TrainOptions:
     def __post_init__(self) -> None:
         if isinstance(self.max_time, str):
             self.max_time = parse_duration(self.max_time)
+        defaults = FINE_TUNE_DEFAULTS if self.init_from else FRESH_DEFAULTS | FRESH_ONLY
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
 
     @property
     def run_folder(self) -> Path:
         return Path(self.out) if self.out else Path("runs") / Path(self.corpus).stem
 
-    def resolved(self) -> dict:
-        """The preset with explicit options laid over it: the model's sizes and the batch size."""
-        if self.preset not in PRESETS:
+    def resolved(self, base: AFTConfig | None = None) -> dict:
+        """The model's sizes and the batch size: the preset's, or the base model's when fine-tuning,
+        with explicit options laid over them."""
+        if base is not None:
+            self._refuse_architecture_changes(base)
+            settings = {name: getattr(base, name) for name in MODEL_FIELDS}
+            settings["batch_size"] = PRESETS[FRESH_ONLY["preset"]]["batch_size"]
+        elif self.preset not in PRESETS:
             raise AftgenError(f"unknown preset '{self.preset}'; choose one of: {', '.join(PRESETS)}")
-        settings = {"dropout": 0.0, "decay": True, "mixer": "aft_local", **PRESETS[self.preset]}
+        else:
+            settings = {"dropout": 0.0, "decay": True, "mixer": "aft_local", **PRESETS[self.preset]}
         for name in (*MODEL_FIELDS, "batch_size"):
             if getattr(self, name) is not None:
                 settings[name] = getattr(self, name)
         return settings
+
+    def _refuse_architecture_changes(self, base: AFTConfig) -> None:
+        """Fine-tuning keeps the base model's tokenizer and architecture: an option saying otherwise is an error."""
+        for name in FRESH_ONLY:
+            if getattr(self, name) is not None and name not in ARCHITECTURE:
+                raise AftgenError(f"{flag(name)}: fine-tuning keeps the base model's tokenizer and sizes; drop it")
+        changed = [name for name in ARCHITECTURE if getattr(self, name) not in (None, getattr(base, name))]
+        if base.mixer == "aft_full" and self.context_length not in (None, base.context_length):
+            changed.append("context_length")  # aft_full's window is its training length
+        if changed:
+            name = changed[0]
+            raise AftgenError(
+                f"{flag(name)} {getattr(self, name)} contradicts the base model ({name} {getattr(base, name)}); "
+                f"fine-tuning keeps the base model's architecture and tokenizer: drop {flag(name)}"
+            )
 
     def to_dict(self) -> dict:
         """The options as training.json records them."""
@@ -87,7 +120,7 @@ class TrainOptions:
     def check(self) -> None:
         """Refuse out-of-range values before any work is done."""
         for name in ("lr", "max_steps", "eval_interval", "eval_windows", "vocab_size"):
-            if not getattr(self, name) > 0:
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise AftgenError(f"{flag(name)} must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "weight_decay", "grad_clip"):
             if not getattr(self, name) >= 0:
@@ -98,6 +131,8 @@ class TrainOptions:
         _one_of("--dtype", self.dtype, ("auto", *DTYPES))
         _one_of("--weights-dtype", self.weights_dtype, tuple(WEIGHT_DTYPES))
         _one_of("--errors", self.errors, ERROR_MODES)
+        if self.init_from:
+            return  # the sizes come from the base model, checked against it once it is read (resolved)
         settings = self.resolved()
         _one_of("--mixer", settings["mixer"], MIXERS)
         for name in ("batch_size", "n_layer", "n_embd", "n_head", "context_length"):

@@ -24,7 +24,7 @@ from aftgen.checkpoint import (
 from aftgen.distributed import World
 from aftgen.errors import AftgenError
 from aftgen.files import prepare_folder
-from aftgen.model import AFTLM
+from aftgen.model import AFTLM, AFTConfig
 from aftgen.tokenizer import Tokenizer
 from aftgen.training.options import TrainOptions
 
@@ -43,9 +43,10 @@ class TrainingState:
 class RunFolder:
     """The run folder of `options`, checked before any work. Rank 0 alone checks held-out loss and writes."""
 
-    def __init__(self, options: TrainOptions, world: World):
+    def __init__(self, options: TrainOptions, world: World, base: AFTConfig | None = None):
         self.path, self.options, self.world = options.run_folder, options, world
-        self.settings = options.resolved()  # model sizes and batch size
+        self.settings: dict = {}  # model sizes and batch size
+        self.base_model: dict | None = None  # where a fine-tuning run started (BaseModel.describe)
         self.metrics: list[dict] = []
         self.best: dict | None = None  # {"step", "held_out_nats_per_char"} of the best held-out check
         self.saved_step: int | None = None
@@ -54,9 +55,11 @@ class RunFolder:
         self._refuse_mistakes()
         if options.resume:
             saved, _ = read_training_info(self.path)  # the state file alone describes the run
-            self.settings, self.best = saved["settings"], saved.get("best")
+            self.settings, self.best, self.base_model = saved["settings"], saved.get("best"), saved.get("base_model")
             self.saved_world_size = saved.get("world_size", 1)
             self.metrics = read_run_files(self.path)[1]
+        else:
+            self.settings = options.resolved(base)
         if world.main:
             prepare_folder(self.path)
 
@@ -92,7 +95,8 @@ class RunFolder:
         return True
 
     def info(self, step: int, elapsed: float) -> dict:
-        return self.description | {"step": step, "elapsed": elapsed, "best": self.best}
+        progress = {"step": step, "elapsed": elapsed, "best": self.best}
+        return self.description | ({"base_model": self.base_model} if self.base_model else {}) | progress
 
     def save(self, training: TrainingState, tokenizer: Tokenizer, elapsed: float, improved: bool = False) -> None:
         """The training state first (it alone is enough to resume), the weights, training.json last.

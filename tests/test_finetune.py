@@ -1,0 +1,142 @@
+"""Fine-tuning (`train --init-from`): the base model's tokenizer and architecture kept, its score logged
+as step 0, its provenance recorded, resumable, from fp16 weights too, and through the Hub."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from conftest import make_corpus, train_tiny
+from fake_hub import FakeHub
+from safetensors.torch import load_file
+from test_hub import TOKEN, aftgen, aftgen_session, hub_env
+from typer.testing import CliRunner
+
+from aftgen.checkpoint import TRAINING_INFO, WEIGHTS, load_checkpoint
+from aftgen.cli import app
+from aftgen.state import weights_hash
+from aftgen.training import TrainingInterrupted
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def other_corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("other") / "other.txt"
+    path.write_text(make_corpus(20_000, seed=7).lower())  # the same words, another text
+    return path
+
+
+def fine_tune(corpus, out, base, on_eval=None, **changes):
+    """A few steps from `base`; TrainOptions' own fine-tuning defaults unless `changes` say otherwise."""
+    from aftgen.training import TrainOptions, train
+
+    options = dict(init_from=str(base), max_steps=6, eval_interval=2, device="cpu") | changes
+    return train(TrainOptions(corpus=corpus, out=out, **options), quiet=True, on_eval=on_eval)
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--layers", "3"], "--layers 3 contradicts the base model (n_layer 2)"),
+        (["--vocab-size", "500"], "--vocab-size 500 contradicts the base model (vocab_size 400)"),
+        (["--mixer", "attention"], "--mixer attention contradicts the base model (mixer aft_local)"),
+        (["--preset", "small"], "--preset: fine-tuning keeps the base model's tokenizer and sizes"),
+    ],
+)
+def test_an_option_contradicting_the_base_model_is_one_error(tmp_path, corpus, tiny_run, option, message):
+    args = ["train", str(corpus), "--out", str(tmp_path / "ft"), "--init-from", str(tiny_run), *option]
+    result = runner.invoke(app, args)
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.output
+    assert not (tmp_path / "ft").exists()  # refused before any work
+
+
+def test_fine_tuning_starts_from_the_base_and_logs_its_score_as_step_0(tmp_path, corpus, tiny_run):
+    out = fine_tune(corpus, tmp_path / "ft", tiny_run, dropout=0.1, context_length=16)
+    rows = metrics(out)
+    assert [row["step"] for row in rows] == [0, 2, 4, 6]
+    # The base's own last check, on the same held-out split (base: context 32, the run: 16), is step 0's.
+    base_last = metrics(tiny_run)[-1]
+    assert base_last["step"] == 40
+    base, tokenizer = load_checkpoint(tiny_run)
+    tuned, tuned_tokenizer = load_checkpoint(out)
+    assert tuned_tokenizer.model_proto == tokenizer.model_proto
+    assert tuned.config.n_layer == base.config.n_layer and tuned.config.context_length == 16
+    assert rows[0]["train_loss"] is None and rows[0]["held_out_nats_per_char"] > rows[-1]["held_out_nats_per_char"]
+    info = json.loads((out / TRAINING_INFO).read_text())
+    assert info["base_model"]["model"] == str(tiny_run)
+    assert info["base_model"]["weights_sha256"] == weights_hash(base)
+    assert info["options"]["lr"] == 3e-4 and info["options"]["keep_best"] is True  # fine-tuning's defaults
+    assert "fine-tuned from" in (out / "README.md").read_text()
+
+
+def test_step_0_is_the_base_models_quick_check_on_the_same_split(tmp_path, corpus, tiny_run):
+    out = fine_tune(corpus, tmp_path / "ft", tiny_run, max_steps=2)
+    assert metrics(out)[0]["held_out_nats_per_char"] == pytest.approx(metrics(tiny_run)[-1]["held_out_nats_per_char"])
+
+
+def test_fine_tune_interrupted_then_resumed_equals_one_run(tmp_path, other_corpus, tiny_run):
+    def ctrl_c_at_4(row: dict) -> None:
+        if row["step"] == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    straight = fine_tune(other_corpus, tmp_path / "straight", tiny_run, max_steps=8, dropout=0.1)
+    with pytest.raises(TrainingInterrupted):
+        fine_tune(other_corpus, tmp_path / "resumed", tiny_run, max_steps=8, dropout=0.1, on_eval=ctrl_c_at_4)
+    resumed = fine_tune(other_corpus, tmp_path / "resumed", tiny_run, max_steps=8, dropout=0.1, resume=True)
+    one, two = load_file(straight / WEIGHTS), load_file(resumed / WEIGHTS)
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], atol=1e-6, rtol=0, msg=name)
+    info = json.loads((resumed / TRAINING_INFO).read_text())
+    assert info["step"] == 8 and info["base_model"]["model"] == str(tiny_run)
+    assert [row["step"] for row in metrics(resumed)] == [0, 2, 4, 6, 8]
+
+
+def test_fine_tuning_from_fp16_weights(tmp_path, corpus, tiny_run):
+    half = train_tiny(corpus, tmp_path / "half", max_steps=4, weights_dtype="fp16")
+    out = fine_tune(corpus, tmp_path / "ft", half, max_steps=4)
+    base, _ = load_checkpoint(half)  # widened to fp32 as it loads
+    assert json.loads((out / TRAINING_INFO).read_text())["base_model"]["weights_sha256"] == weights_hash(base)
+    tuned, _ = load_checkpoint(out)
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in tuned.parameters())
+
+
+def test_pull_fine_tune_push_pull_through_the_hub(tmp_path, corpus, tiny_run):
+    with FakeHub(token=TOKEN) as server:
+        server.create_repo("alice/base")
+        server.commit(
+            "alice/base",
+            "main",
+            {name: (tiny_run / name).read_bytes() for name in ("config.json", WEIGHTS, "tokenizer.model")},
+        )
+        env = hub_env(server, tmp_path / "hf")
+        out = tmp_path / "tuned"
+        train = ["train", str(corpus), "--out", str(out), "--init-from", "alice/base", "--max-steps", "2"]
+        pulled, tuned, pushed, again = aftgen_session(
+            env,
+            ["pull", "alice/base"],
+            [*train, "--eval-interval", "2", "--threads", "1", "--quiet"],
+            ["push", str(out), "bob/tuned"],
+            ["pull", "bob/tuned"],
+        )
+        for done in (pulled, tuned, pushed, again):
+            assert done.returncode == 0, done.stderr
+        info = json.loads((out / TRAINING_INFO).read_text())["base_model"]
+        assert info["hub_id"] == "alice/base" and info["revision"] == server.repos["alice/base"].branches["main"]
+        card = server.files("bob/tuned")["README.md"].decode()
+        assert "base_model: alice/base" in card and "pipeline_tag: text-generation" in card
+    # Offline, a base that was never pulled is one clear line.
+    offline = {**env, "HF_HUB_OFFLINE": "1"}
+    missing = aftgen(offline, "train", str(corpus), "--out", str(tmp_path / "x"), "--init-from", "carol/absent")
+    lines = missing.stderr.strip().splitlines()
+    assert missing.returncode == 2 and len(lines) == 1, missing.stderr
+    assert lines[0].startswith("error: carol/absent: not in the Hugging Face cache")
