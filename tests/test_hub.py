@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_hub import FakeHub
+from fake_hub import STORAGE_PREFIX, FakeHub, sha256
 from typer.testing import CliRunner
 
 from aftgen.checkpoint import CHECKPOINT_FILES
@@ -27,7 +27,7 @@ def hub_env(hub: FakeHub, home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(
         HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_TOKEN=TOKEN, HF_HUB_DISABLE_PROGRESS_BARS="1",
-        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_XET="1",  # the fake Hub takes LFS uploads, not Xet
     )  # fmt: skip
     return env | extra
 
@@ -62,6 +62,19 @@ def checkpoint_files(run: Path) -> dict[str, bytes]:
     return {name: (run / name).read_bytes() for name in CHECKPOINT_FILES}
 
 
+def storage_paths(*contents: bytes) -> set[str]:
+    """Where the fake Hub's LFS storage keeps these contents."""
+    return {STORAGE_PREFIX + sha256(content) for content in contents}
+
+
+@pytest.fixture(scope="module")
+def local_sample(tiny_run) -> str:
+    """What `sample` prints for the tiny run read from its folder: a model pulled from the Hub must print the same."""
+    local = CliRunner().invoke(app, ["sample", "--model", str(tiny_run), *SAMPLE])
+    assert local.exit_code == 0, local.output
+    return local.stdout
+
+
 @pytest.fixture(scope="module")
 def hub(tiny_run):
     """A Hub holding alice/tiny (the tiny run) and some repos that are not usable aftgen checkpoints."""
@@ -78,7 +91,7 @@ def hub(tiny_run):
         yield server
 
 
-def test_push_pull_and_sample_by_hub_id_then_offline(tmp_path, tiny_run):
+def test_push_pull_and_sample_by_hub_id_then_offline(tmp_path, tiny_run, local_sample):
     with FakeHub(token=TOKEN) as server:
         env = hub_env(server, tmp_path / "hf")
         pushed, pulled, by_id = aftgen_session(
@@ -92,25 +105,30 @@ def test_push_pull_and_sample_by_hub_id_then_offline(tmp_path, tiny_run):
         uploaded = server.files("carol/tiny")
         assert {"config.json", "model.safetensors", "tokenizer.model", "README.md", "metrics.jsonl"} <= set(uploaded)
         assert not {"training_state.safetensors", "training.json"} & set(uploaded)  # optimiser state stays home
-        assert uploaded["model.safetensors"] == (tiny_run / "model.safetensors").read_bytes()
+        weights, tokenizer = (tiny_run / "model.safetensors").read_bytes(), (tiny_run / "tokenizer.model").read_bytes()
+        assert uploaded["model.safetensors"] == weights
+        # As on the Hub, whose .gitattributes sends *.safetensors and *.model to Git LFS: those two went to the
+        # storage through the LFS batch API and are lfsFile lines in the commit; the rest went inline.
+        assert server.lfs_files("carol/tiny") == {"model.safetensors", "tokenizer.model"}
+        assert {path for method, path in server.requests if method == "PUT"} == storage_paths(weights, tokenizer)
         card = uploaded["README.md"].decode()
         assert "library_name: aftgen" in card and "A sample:" in card and "held-out" in card
 
         assert pulled.returncode == 0, pulled.stderr
         folder = Path(pulled.stdout.strip())
-        assert folder.is_relative_to(tmp_path / "hf" / "hub") and (folder / "model.safetensors").is_file()
+        assert folder.is_relative_to(tmp_path / "hf" / "hub") and (folder / "model.safetensors").read_bytes() == weights
+        # The cache names an LFS blob by its sha256, which only the X-Linked-Etag of the /resolve redirect carries.
+        assert (folder / "model.safetensors").resolve().name == sha256(weights)
 
-        local = CliRunner().invoke(app, ["sample", "--model", str(tiny_run), *SAMPLE])
-        assert local.exit_code == 0, local.output
         assert by_id.returncode == 0, by_id.stderr
-        assert by_id.stdout == local.stdout
+        assert by_id.stdout == local_sample
     # The server is gone: the cache serves the model, with HF_HUB_OFFLINE and without it.
     offline = aftgen({**env, "HF_HUB_OFFLINE": "1"}, "sample", "--model", "carol/tiny", *SAMPLE)
     assert offline.returncode == 0, offline.stderr
-    assert offline.stdout == local.stdout
+    assert offline.stdout == local_sample
     unreachable = aftgen(env, "sample", "--model", "carol/tiny", *SAMPLE)
     assert unreachable.returncode == 0, unreachable.stderr
-    assert unreachable.stdout == local.stdout
+    assert unreachable.stdout == local_sample
 
 
 def test_push_options(hub, tmp_path, tiny_run):
@@ -121,6 +139,7 @@ def test_push_options(hub, tmp_path, tiny_run):
         shutil.copy(tiny_run / name, curated)
     (curated / "README.md").write_text("---\nlibrary_name: aftgen\n---\n# Hand-written card\n")
     env = hub_env(hub, tmp_path / "hf")
+    first_request = len(hub.requests)
     done, pulled, kept = aftgen_session(
         env,
         ["push", str(tiny_run), "dave/resumable", "--revision", "dev", "--include-training-state", "--private"],
@@ -129,16 +148,53 @@ def test_push_options(hub, tmp_path, tiny_run):
     )
     assert kept.returncode == 0, kept.stderr
     assert hub.files("dave/curated")["README.md"] == (curated / "README.md").read_bytes()
+    assert hub.lfs_files("dave/curated") == {"model.safetensors", "tokenizer.model"}
     assert done.returncode == 0, done.stderr
     assert hub.repos["dave/resumable"].private
     on_dev = hub.files("dave/resumable", "dev")
-    assert on_dev["training_state.safetensors"] == (tiny_run / "training_state.safetensors").read_bytes()
+    training_state = (tiny_run / "training_state.safetensors").read_bytes()
+    assert on_dev["training_state.safetensors"] == training_state
+    stored_as_lfs = {"model.safetensors", "tokenizer.model", "training_state.safetensors"}
+    assert hub.lfs_files("dave/resumable", "dev") == stored_as_lfs
+    # The weights and tokenizer were in the storage already (alice/tiny holds them): the batch API answered
+    # without upload actions, and only the optimiser state travelled.
+    assert {path for method, path in hub.requests[first_request:] if method == "PUT"} == storage_paths(training_state)
     assert json.loads(on_dev["training.json"])["step"] == 40
     assert set(hub.files("dave/resumable", "main")) == {".gitattributes"}  # --revision committed to the branch only
     anonymous = aftgen(hub_env(hub, tmp_path / "anonymous", HF_TOKEN=""), "pull", "dave/resumable@dev")
     assert anonymous.returncode == 2 and "no such model repository" in anonymous.stderr  # private: needs HF_TOKEN
     assert pulled.returncode == 0, pulled.stderr
     assert (Path(pulled.stdout.strip()) / "config.json").is_file()
+
+
+def test_pull_fetches_only_the_checkpoint_and_its_card(hub, tmp_path, tiny_run, local_sample):
+    """Whatever else a repo holds (optimiser state, other weights, a big file) stays on the Hub."""
+    wanted = {**checkpoint_files(tiny_run), "README.md": b"---\nlibrary_name: aftgen\n---\n# Tiny\n"}
+    extras = {
+        "training_state.safetensors": (tiny_run / "training_state.safetensors").read_bytes(),
+        "training.json": (tiny_run / "training.json").read_bytes(),
+        "other.bin": bytes(range(256)) * 64,
+        "checkpoints/step-20/model.safetensors": b"\1" * (4 << 20),
+        "docs/README.md": b"# not the model card\n",
+    }
+    hub.create_repo("erin/extras")
+    hub.commit("erin/extras", "main", wanted | extras)
+    first_request = len(hub.requests)
+    pulled, by_id = aftgen_session(
+        hub_env(hub, tmp_path / "hf"), ["pull", "erin/extras"], ["sample", "--model", "erin/extras", *SAMPLE]
+    )
+    assert pulled.returncode == 0, pulled.stderr
+    folder = Path(pulled.stdout.strip())
+    assert {path.relative_to(folder).as_posix() for path in folder.rglob("*") if not path.is_dir()} == set(wanted)
+    assert all((folder / name).read_bytes() == content for name, content in wanted.items())
+    assert len(list((folder.parent.parent / "blobs").iterdir())) == len(wanted)  # nothing else was stored
+    log = hub.requests[first_request:]
+    resolved = {path.split("/", 5)[5] for _, path in log if path.startswith("/erin/extras/resolve/")}
+    assert resolved == set(wanted)  # the extras were not even looked up
+    fetched_from_storage = {path for method, path in log if path.startswith(STORAGE_PREFIX)}
+    assert fetched_from_storage == storage_paths(wanted["model.safetensors"], wanted["tokenizer.model"])
+    assert by_id.returncode == 0, by_id.stderr
+    assert by_id.stdout == local_sample
 
 
 ERRORS = {
