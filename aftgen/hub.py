@@ -164,7 +164,7 @@ def hub_errors(name: str, revision: str | None = None, writing: bool = False) ->
         status = exc.response.status_code if exc.response is not None else "?"
         hint = token_hint if status in (401, 403) else "retry later"
         raise AftgenError(f"{name}: {hub} answered HTTP {status}: {_first_line(exc)} ({hint})") from None
-    except httpx2.TransportError as exc:
+    except (httpx2.TransportError, ConnectionError) as exc:  # ConnectionError: hf_xet's storage transfers
         raise AftgenError(
             f"{name}: cannot reach {hub} ({type(exc).__name__}); check the network or HF_ENDPOINT"
         ) from None
