@@ -19,6 +19,7 @@ from aftgen.checkpoint import TRAINING_INFO, WEIGHTS, load_checkpoint
 from aftgen.cli import app
 from aftgen.state import weights_hash
 from aftgen.training import TrainingInterrupted
+from aftgen.training.options import FINE_TUNE_DEFAULTS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 runner = CliRunner()
@@ -75,7 +76,7 @@ def test_fine_tuning_starts_from_the_base_and_logs_its_score_as_step_0(tmp_path,
     info = json.loads((out / TRAINING_INFO).read_text())
     assert info["base_model"]["model"] == str(tiny_run)
     assert info["base_model"]["weights_sha256"] == weights_hash(base)
-    assert info["options"]["lr"] == 3e-4 and info["options"]["keep_best"] is True  # fine-tuning's defaults
+    assert {name: info["options"][name] for name in FINE_TUNE_DEFAULTS} == FINE_TUNE_DEFAULTS | {"eval_interval": 2}
     assert "fine-tuned from" in (out / "README.md").read_text()
 
 

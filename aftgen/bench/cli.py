@@ -140,3 +140,27 @@ def bench_generate_command(
     lm = load(model)[0] if model is not None else random_model(preset or "small")
     progress(f"bench generate: {lm.num_parameters():,} parameters, {torch.get_num_threads()} threads")
     print_rows(bench_generate(lm, log=progress), as_json)
+
+
+@bench_app.command("finetune")
+@command
+def bench_finetune_command(
+    corpus: Annotated[list[Path], typer.Argument(help="Text files or folders (fortune-style '%' entries are mixed).")],
+    base: Annotated[str, typer.Option(help="The model to fine-tune (a folder or OWNER/NAME).")] = "models/shakespeare",
+    sizes: Annotated[str, typer.Option(help="Corpus sizes in characters, comma-separated; 'all' for all.")] = "50000",
+    seconds: Annotated[str, typer.Option(help="Training wall times, comma-separated.")] = "60",
+    as_json: AsJson = False,
+) -> None:
+    """Fine-tuning a pretrained model against training from scratch, side by side, per corpus size and time."""
+    from aftgen.bench.finetune import bench_finetune, check_corpus
+    from aftgen.bench.report import print_rows
+
+    try:
+        chosen = [None if s.strip() == "all" else int(s) for s in sizes.split(",")]
+        budgets = [float(s) for s in seconds.split(",")]
+    except ValueError:
+        raise AftgenError("--sizes takes numbers or 'all', --seconds numbers, each comma-separated") from None
+    files = check_corpus(corpus)
+    set_up_torch()
+    progress(f"bench finetune: {base} against from scratch, {len(files)} files")
+    print_rows(bench_finetune(base, files, chosen, budgets, log=progress), as_json)

@@ -21,11 +21,17 @@ from aftgen.cli.common import (
     set_up_torch,
     with_options,
 )
+from aftgen.training.options import FINE_TUNE_DEFAULTS, FRESH_DEFAULTS, flag
 from aftgen.training.options import TrainOptions as Defaults
 
 
 def _option(help: str | None = None, panel: str | None = None, *names: str):
     return typer.Option(*names, help=help, rich_help_panel=panel)
+
+
+def _defaults(name: str) -> str:
+    """The two defaults of an option whose default depends on --init-from."""
+    return f" Default: {FRESH_DEFAULTS[name]}; fine-tuning: {FINE_TUNE_DEFAULTS[name]}."
 
 
 @with_options(HARDWARE_OPTIONS)
@@ -39,8 +45,9 @@ def train(
         str | None,
         _option(
             "Fine-tune this model (a checkpoint folder or OWNER/NAME\\[@REV] from the Hub): its tokenizer and "
-            "architecture are kept, the optimiser starts fresh, and the defaults become --lr 3e-4, "
-            "--warmup-steps 20, --keep-best.",
+            "architecture are kept, the optimiser starts fresh, and the defaults become "
+            + ", ".join(f"{flag(name)} {value}" for name, value in FINE_TUNE_DEFAULTS.items())
+            + ".",
             TRAIN_PANEL,
         ),
     ] = None,
@@ -65,19 +72,18 @@ def train(
     max_steps: Annotated[int, _option(None, TRAIN_PANEL)] = Defaults.max_steps,
     max_time: Annotated[str | None, _option("Wall-time budget: 150, 90s, 10m, 1h.", TRAIN_PANEL)] = None,
     batch_size: Annotated[int | None, _option(None, TRAIN_PANEL)] = None,
-    lr: Annotated[float | None, _option("Peak learning rate (default: 2e-3; 3e-4 fine-tuning).", TRAIN_PANEL)] = None,
-    warmup_steps: Annotated[int | None, _option("Default: 100; 20 fine-tuning.", TRAIN_PANEL)] = None,
+    lr: Annotated[float | None, _option("Peak learning rate." + _defaults("lr"), TRAIN_PANEL)] = None,
+    warmup_steps: Annotated[int | None, _option(_defaults("warmup_steps"), TRAIN_PANEL)] = None,
     weight_decay: Annotated[float, _option(None, TRAIN_PANEL)] = Defaults.weight_decay,
     grad_clip: Annotated[float, _option(None, TRAIN_PANEL)] = Defaults.grad_clip,
     eval_interval: Annotated[
-        int, _option("Steps between held-out evals and checkpoints.", TRAIN_PANEL)
-    ] = Defaults.eval_interval,
+        int | None, _option("Steps between held-out evals and checkpoints." + _defaults("eval_interval"), TRAIN_PANEL)
+    ] = None,
     eval_windows: Annotated[int, _option("Held-out windows each eval scores.", TRAIN_PANEL)] = Defaults.eval_windows,
     keep_best: Annotated[
         bool | None,
         _option(
-            "Publish the weights that scored best on the held-out eval, not the latest (default: off; on when "
-            "fine-tuning).",
+            "Publish the weights that scored best on the held-out eval, not the latest." + _defaults("keep_best"),
             TRAIN_PANEL,
         ),
     ] = None,

@@ -20,8 +20,9 @@ FLAGS = {"n_layer": "--layers", "n_embd": "--width", "n_head": "--heads"}  # opt
 ERROR_MODES = ("strict", "replace", "ignore")
 # Options whose default depends on whether the run starts from scratch or fine-tunes a base model
 # (nanoGPT's finetune_shakespeare: a lower learning rate, a short warmup, only the best weights kept).
-FRESH_DEFAULTS = {"lr": 2e-3, "warmup_steps": 100, "keep_best": False}
-FINE_TUNE_DEFAULTS = {"lr": 3e-4, "warmup_steps": 20, "keep_best": True}
+# A base model is a few steps from useful: a short warmup, and checks often enough to keep its best.
+FRESH_DEFAULTS = {"lr": 2e-3, "warmup_steps": 100, "eval_interval": 250, "keep_best": False}
+FINE_TUNE_DEFAULTS = {"lr": 1e-3, "warmup_steps": 5, "eval_interval": 50, "keep_best": True}
 FRESH_ONLY = {"preset": "small", "vocab_size": 1024, "tokenizer_type": "bpe"}  # fine-tuning takes the base's
 
 
@@ -54,7 +55,7 @@ class TrainOptions:
     grad_clip: float = 1.0
     max_steps: int = 5000
     max_time: float | str | None = None  # seconds, or a duration such as "10m"
-    eval_interval: int = 250
+    eval_interval: int | None = None
     eval_windows: int = 32
     keep_best: bool | None = None
     weights_dtype: str = "fp32"
