@@ -1,0 +1,56 @@
+"""What `aftgen serve` can be told, with its defaults and range checks in one place (the CLI reads them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from aftgen.errors import AftgenError
+
+
+@dataclass
+class ServeOptions:
+    model: str | None = None  # checkpoint folder or Hub id; None: the shipped model
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000  # 0: any free port (the one chosen is printed)
+    api_key: str | None = None  # when set, every /v1 route requires `Authorization: Bearer KEY`
+    parallel: int = 32  # sequences generating at once: rows of the batched step
+    queue: int = 64  # requests waiting for a free row; past that: 503
+    max_prompt_tokens: int = 8192  # per request
+    max_tokens: int = 1024  # the most a request may ask for, and what it gets if it does not say
+    max_body_bytes: int = 1 << 20  # request bodies past this: 413
+    timeout: float = 600.0  # seconds a request may take, waiting included; past that: 504
+    cache_mb: float = 64.0  # prefix-state cache (LRU); 0: off
+    sessions_dir: Path | None = None  # named sessions are saved here after every request (None: memory only)
+    max_sessions: int = 64  # named sessions held in memory (with a sessions_dir, the rest wait on disk)
+    prompt_chunk: int = 256  # prompt tokens read between two batched steps
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+
+    def check(self) -> None:
+        """Refuse values outside their meaning, before the model is loaded."""
+        if not 0 <= self.port <= 65535:
+            raise AftgenError(f"--port must be between 0 and 65535, got {self.port}")
+        if not self.host:
+            raise AftgenError("--host must not be empty")
+        if self.api_key is not None and not self.api_key.strip():
+            raise AftgenError("--api-key must not be empty")
+        at_least = {
+            "--parallel": (self.parallel, 1),
+            "--queue": (self.queue, 0),
+            "--max-prompt-tokens": (self.max_prompt_tokens, 1),
+            "--max-tokens": (self.max_tokens, 1),
+            "--max-body-bytes": (self.max_body_bytes, 1024),
+            "--max-sessions": (self.max_sessions, 1),
+            "--prompt-chunk": (self.prompt_chunk, 1),
+        }
+        for name, (value, least) in at_least.items():
+            if value < least:
+                raise AftgenError(f"{name} must be >= {least}, got {value}")
+        if not self.timeout > 0:
+            raise AftgenError(f"--timeout must be positive, got {self.timeout}")
+        if not self.cache_mb >= 0:
+            raise AftgenError(f"--cache-mb must be >= 0 (0 turns the cache off), got {self.cache_mb}")
+        if self.sessions_dir is not None and self.sessions_dir.exists() and not self.sessions_dir.is_dir():
+            raise AftgenError(f"--sessions-dir {self.sessions_dir} is not a folder")
