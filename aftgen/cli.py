@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from aftgen.errors import AftgenError
+from aftgen.serve.options import ServeOptions
 
 if TYPE_CHECKING:
     from aftgen.sampling import SamplingOptions
@@ -448,6 +449,70 @@ def chat(
     if save_state is not None and context is not None:
         write_state(save_state, context, lm, tokenizer)
         print(f"state saved to {save_state}", file=sys.stderr)
+
+
+SERVE_PANEL, LIMITS_PANEL = "Server", "Limits"
+SERVE = ServeOptions()  # the defaults: the options' one home
+
+
+@app.command()
+@command
+def serve(
+    model: ModelOption = None,
+    host: Annotated[
+        str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).", rich_help_panel=SERVE_PANEL)
+    ] = SERVE.host,
+    port: Annotated[int, typer.Option(help="0: any free port.", rich_help_panel=SERVE_PANEL)] = SERVE.port,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="AFTGEN_API_KEY", help="Require 'Authorization: Bearer KEY'.", rich_help_panel=SERVE_PANEL),
+    ] = None,
+    sessions_dir: Annotated[
+        Path | None, typer.Option(help="Save named sessions here (aftgen state files).", rich_help_panel=SERVE_PANEL)
+    ] = None,
+    cache_mb: Annotated[
+        float, typer.Option(help="Prefix-state cache size (0: off).", rich_help_panel=SERVE_PANEL)
+    ] = SERVE.cache_mb,
+    parallel: Annotated[
+        int, typer.Option(help="Sequences generating at once (rows of the batched step).", rich_help_panel=LIMITS_PANEL)
+    ] = SERVE.parallel,
+    queue: Annotated[
+        int, typer.Option(help="Requests waiting for a row; past that: 503.", rich_help_panel=LIMITS_PANEL)
+    ] = SERVE.queue,
+    max_prompt_tokens: Annotated[int, typer.Option(rich_help_panel=LIMITS_PANEL)] = SERVE.max_prompt_tokens,
+    max_tokens: Annotated[
+        int, typer.Option(help="Most tokens a request may ask for (and its default).", rich_help_panel=LIMITS_PANEL)
+    ] = SERVE.max_tokens,
+    max_body_bytes: Annotated[int, typer.Option(rich_help_panel=LIMITS_PANEL)] = SERVE.max_body_bytes,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a request may take, queueing included; past that: 504.", rich_help_panel=LIMITS_PANEL
+        ),
+    ] = SERVE.timeout,
+    max_sessions: Annotated[
+        int, typer.Option(help="Named sessions held in memory.", rich_help_panel=LIMITS_PANEL)
+    ] = SERVE.max_sessions,
+    prompt_chunk: Annotated[
+        int, typer.Option(help="Prompt tokens read between two batched steps.", rich_help_panel=LIMITS_PANEL)
+    ] = SERVE.prompt_chunk,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    threads: ThreadsOption = None,
+) -> None:
+    """An OpenAI-compatible HTTP server: completions and chat, streaming, every request's state stepped in one batch."""
+    from aftgen.serve.server import require_serve_extra
+    from aftgen.serve.server import serve as run_server
+
+    options = ServeOptions(
+        model=model, host=host, port=port, api_key=api_key, parallel=parallel, queue=queue,
+        max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, max_body_bytes=max_body_bytes, timeout=timeout,
+        cache_mb=cache_mb, sessions_dir=sessions_dir, max_sessions=max_sessions, prompt_chunk=prompt_chunk,
+        device=device, dtype=dtype, threads=threads,
+    )  # fmt: skip
+    options.check()
+    require_serve_extra()
+    run_server(options, _placement(device, dtype, threads))
 
 
 @app.command("eval")
