@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from aftgen.errors import AftgenError
-from aftgen.serve.options import ServeOptions
+from aftgen.serve.options import BenchServeOptions, ServeOptions
 
 if TYPE_CHECKING:
     from aftgen.sampling import SamplingOptions
@@ -737,6 +737,27 @@ def bench_generate(
     print(f"bench generate: {lm.num_parameters():,} parameters, {torch_threads()} threads", file=sys.stderr)
     rows = measure(lm, log=lambda line: print(line, file=sys.stderr))
     print_rows(rows, as_json)
+
+
+@bench_app.command("serve")
+@command
+def bench_serve_command(
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="Serve this checkpoint (folder or Hub id).")
+    ] = None,
+    tokens: Annotated[int, typer.Option(help="Tokens each stream generates.")] = BenchServeOptions.tokens,
+    threads: ThreadsOption = None,
+    as_json: AsJson = False,
+) -> None:
+    """Start `aftgen serve` and drive it with 1, 8 and 32 concurrent streams: tokens/s, inter-token latency, memory."""
+    from aftgen.bench import print_rows
+    from aftgen.serve.bench import bench_serve
+    from aftgen.serve.server import require_serve_extra
+
+    options = BenchServeOptions(model=model, tokens=tokens, threads=threads)
+    options.check()
+    require_serve_extra()
+    print_rows(bench_serve(options, log=_progress), as_json)
 
 
 def torch_threads() -> int:

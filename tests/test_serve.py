@@ -92,24 +92,25 @@ def test_batched_step_matches_each_sequence_alone(mixer):
     config = AFTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=4, window=5, context_length=16, mixer=mixer)
     model = AFTLM(config).eval()
     with torch.inference_mode():
-        alone = [model.prefill(torch.randint(0, 64, (1, length)), last_only=True)[1] for length in (3, 8, 13, 1)]
-        positions = [3, 8, 13, 1]
-        batch, rows = Batch(model), [0, 1]
-        batch.add([(clone_state(alone[i]), positions[i]) for i in rows])
+        positions = [3, 8, 13, 1, 6]
+        alone = [model.prefill(torch.randint(0, 64, (1, n)), last_only=True)[1] for n in positions]
+        batch = Batch(model, capacity=4)
+        batch.add([(i, clone_state(alone[i]), positions[i]) for i in (0, 1, 2)])
+        joins = {5: 3, 11: 4}
         for t in range(24):
-            if t == 5:
-                batch.add([(clone_state(alone[i]), positions[i]) for i in (2, 3)])
-                rows += [2, 3]
-            if t == 11:
-                ((state, position),) = batch.remove([1])
-                assert position == positions[1]
-                for mine, theirs in zip(state, alone[1], strict=True):
+            if t in (11, 17):  # a middle row leaves (the last one fills its place)
+                leaving = batch.rows[1]
+                state, position = batch.state_of(leaving)
+                batch.remove([leaving])
+                assert position == positions[leaving]
+                for mine, theirs in zip(state, alone[leaving], strict=True):
                     for name in mine:
                         torch.testing.assert_close(mine[name], theirs[name], rtol=1e-5, atol=1e-4)
-                rows.remove(1)
-            tokens = torch.randint(0, 64, (len(rows),))
+            if t in joins:
+                batch.add([(joins[t], clone_state(alone[joins[t]]), positions[joins[t]])])
+            tokens = torch.randint(0, 64, (len(batch),))
             logits = batch.step(tokens)
-            for r, i in enumerate(rows):
+            for r, i in enumerate(batch.rows):
                 own, _ = model.step(tokens[r : r + 1], alone[i])
                 positions[i] += 1
                 assert (own - logits[r : r + 1]).abs().max() < 1e-4

@@ -24,7 +24,7 @@ from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, ModelState
 from aftgen.sampling import MAX_REPEAT_LAST_N, Context, TextStream, new_generator
 from aftgen.serve.batch import Batch
-from aftgen.serve.cache import PrefixCache
+from aftgen.serve.cache import PrefixCache, state_bytes
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.sessions import SessionStore
 from aftgen.serve.work import Done, Event, Failed, Finished, Started, Text, Ticket, Work
@@ -64,8 +64,8 @@ class Row:
 class Engine:
     def __init__(self, model: AFTLM, tokenizer: Tokenizer, options: ServeOptions, placement: Placement):
         self.model, self.tokenizer, self.options, self.placement = model, tokenizer, options, placement
-        self.batch = Batch(model)
-        self.rows: list[Row] = []
+        self.batch = Batch(model, options.parallel)  # its rows are the Rows generating, in step order
+        self.state_bytes = state_bytes(model.initial_state(1))
         self.cache = PrefixCache(options.cache_mb) if options.cache_mb > 0 else None
         self.sessions = SessionStore(model, tokenizer, options.sessions_dir, options.max_sessions)
         self.busy_sessions: set[str] = set()
@@ -110,7 +110,7 @@ class Engine:
 
     def occupied(self) -> int:
         """Rows generating or promised to requests reading their prompts."""
-        return len(self.rows) + sum(reader.ticket.work.n for reader in list(self.reading))
+        return len(self.batch) + sum(reader.ticket.work.n for reader in list(self.reading))
 
     def stats(self) -> dict:
         return {
@@ -120,6 +120,7 @@ class Engine:
             "cache_entries": len(self.cache) if self.cache else 0,
             "cache_mb": round(self.cache.size / 1e6, 3) if self.cache else 0.0,
             "sessions_in_memory": len(self.sessions),
+            "state_bytes": self.state_bytes,
         }
 
     # --- the engine thread ---
@@ -135,7 +136,7 @@ class Engine:
                 self._flush()
 
     def _turn(self) -> None:
-        if not (self.rows or self.reading or self.waiting or self.incoming):
+        if not (self.batch.rows or self.reading or self.waiting or self.incoming):
             self.wake.wait(IDLE_WAIT)
         self.wake.clear()
         with self.lock:
@@ -159,12 +160,12 @@ class Engine:
             self.queued -= count
 
     def _fail_everything(self) -> None:
-        tickets = {row.ticket for row in self.rows} | {reader.ticket for reader in self.reading}
+        tickets = {row.ticket for row in self.batch.rows} | {reader.ticket for reader in self.reading}
         waiting = list(self.waiting)
         self._dequeued(len(waiting))
         for ticket in tickets | set(waiting):
             self._emit(ticket, Failed(500, "internal error in the generation loop (see the server's log)"))
-        self.rows, self.batch = [], Batch(self.model)
+        self.batch.clear()
         self.reading.clear()
         self.waiting.clear()
         self.busy_sessions.clear()
@@ -187,7 +188,7 @@ class Engine:
         for reader in [reader for reader in self.reading if stopped(reader.ticket)]:
             self.reading.remove(reader)
             self.busy_sessions.discard(reader.ticket.work.session)
-        self._finish([i for i, row in enumerate(self.rows) if stopped(row.ticket)])
+        self._finish([row for row in self.batch.rows if stopped(row.ticket)])
 
     def _admit(self) -> None:
         """Start reading the prompts of queued requests, first come first served, while rows are free."""
@@ -266,9 +267,10 @@ class Engine:
             if stream.done:  # max_tokens 0: only the prompt was wanted
                 self._end(row)
             else:
-                self.rows.append(row)
-                joining.append((context.state, int(context.state[0]["position"])))
+                joining.append((row, context.state, int(context.state[0]["position"])))
         self.batch.add(joining)
+        for row, _, _ in joining:
+            row.stream.context.state = []  # the batch holds it now; a session gets it back when it ends
 
     def _continued(self, reader: Reader) -> Context:
         """A session's context after its new text, as aftgen.sampling.read_prompt leaves one."""
@@ -281,16 +283,14 @@ class Engine:
 
     def _step(self) -> None:
         """One batched step: every row's next token in, every row's logits out."""
-        if not self.rows:
+        rows = list(self.batch.rows)
+        if not rows:
             return
-        tokens = torch.cat([row.stream.next_token() for row in self.rows])
+        tokens = torch.cat([row.stream.next_token() for row in rows])
         logits = self.batch.step(tokens)
-        done = []
-        for i, row in enumerate(self.rows):
+        for i, row in enumerate(rows):
             self._text(row, row.stream.accept(tokens[i : i + 1], logits[i : i + 1]))
-            if row.stream.done:
-                done.append(i)
-        self._finish(done)
+        self._finish([row for row in rows if row.stream.done])
 
     def _text(self, row: Row, text: str) -> None:
         if text:
@@ -298,15 +298,14 @@ class Engine:
             if row.prompt:
                 row.parts.append(text)
 
-    def _finish(self, indices: list[int]) -> None:
-        """Take rows out of the batch, their states back into their contexts, and close them."""
-        if not indices:
-            return
-        for i, (state, _) in zip(indices, self.batch.remove(indices), strict=True):
-            self.rows[i].stream.context.state = state
-            self._end(self.rows[i])
-        gone = set(indices)
-        self.rows = [row for i, row in enumerate(self.rows) if i not in gone]
+    def _finish(self, rows: list[Row]) -> None:
+        """Take rows out of the batch (a session's state back into its context) and close them."""
+        for row in rows:
+            if row.ticket.work.session is not None:
+                row.stream.context.state = self.batch.state_of(row)[0]
+        self.batch.remove(rows)
+        for row in rows:
+            self._end(row)
 
     def _end(self, row: Row) -> None:
         """A sequence is over: its last text, its finish, its session kept, its conversation cached."""

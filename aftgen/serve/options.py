@@ -7,6 +7,8 @@ from pathlib import Path
 
 from aftgen.errors import AftgenError
 
+STREAMS = (1, 8, 32)  # concurrent streams `aftgen bench serve` drives in turn
+
 
 @dataclass
 class ServeOptions:
@@ -54,3 +56,16 @@ class ServeOptions:
             raise AftgenError(f"--cache-mb must be >= 0 (0 turns the cache off), got {self.cache_mb}")
         if self.sessions_dir is not None and self.sessions_dir.exists() and not self.sessions_dir.is_dir():
             raise AftgenError(f"--sessions-dir {self.sessions_dir} is not a folder")
+
+
+@dataclass
+class BenchServeOptions:
+    model: str | None = None  # None: the shipped model
+    tokens: int = 256  # generated per stream
+    threads: int | None = None  # the server's torch threads
+
+    def check(self) -> None:
+        if not 16 <= self.tokens <= 4096:
+            raise AftgenError(f"--tokens must be between 16 and 4096, got {self.tokens}")
+        if self.threads is not None and self.threads < 1:
+            raise AftgenError(f"--threads must be >= 1, got {self.threads}")
