@@ -3,10 +3,13 @@ talked to with the official openai client and with plain HTTP for the error case
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
+import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 
 import httpx
@@ -21,8 +24,11 @@ from aftgen.device import resolve
 from aftgen.model import AFTLM, AFTConfig, clone_state
 from aftgen.sampling import SamplingOptions, generate, read_prompt
 from aftgen.serve.batch import Batch
-from aftgen.serve.options import ServeOptions
+from aftgen.serve.bench import StreamTiming, bench_serve, phase_figures
+from aftgen.serve.engine import Engine
+from aftgen.serve.options import BenchServeOptions, ServeOptions
 from aftgen.serve.server import prepare
+from aftgen.serve.work import Done, Text, Work
 from aftgen.state import load_state
 
 KEY = "test-key"
@@ -73,8 +79,21 @@ def post(url: str, path: str, key: str | None = KEY, **kwargs) -> httpx.Response
     return httpx.post(f"{url}{path}", headers=headers, timeout=60, **kwargs)
 
 
+def health(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=10).json()
+
+
 def busy_slots(url: str) -> int:
-    return httpx.get(f"{url}/health", timeout=10).json()["slots_busy"]
+    return health(url)["slots_busy"]
+
+
+def wait_for(condition, tries: int = 500) -> None:
+    """Poll (bounded: 10 s) until the server reaches a state; fail if it never does."""
+    for _ in range(tries):
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError("the server never got there")
 
 
 def library_text(model_dir, prompt: str, **options) -> str:
@@ -228,23 +247,52 @@ def test_second_chat_turn_reads_only_its_new_tokens(url, tiny_run):
     assert fresh.choices[0].message.content == second.choices[0].message.content
 
 
-def test_a_disconnect_frees_the_slot_at_once(tiny_run):
-    with running(tiny_run, parallel=1, queue=0) as url:
-        http = httpx.Client(timeout=60)
+def test_a_long_prompt_is_read_in_chunks_between_the_others_steps(tiny_run):
+    """Driven turn by turn: while a 200-token prompt is read 16 tokens a turn, the running request
+    gets a token every turn, and what the prompt then generates matches `aftgen sample`."""
+    model, tokenizer = load(tiny_run)
+    engine = Engine(model, tokenizer, ServeOptions(prompt_chunk=16, cache_mb=0), resolve("cpu", "fp32"))
+    events: list = []
+    engine.publish = events.extend
+    running_one = engine.submit(Work(tokenizer.encode("KING:"), SamplingOptions(max_new_tokens=LONG, temperature=0)))
+    engine.turn()
+    prompt = " ".join(["the king and the queen"] * 60)
+    ids = tokenizer.encode(prompt)
+    assert len(ids) >= 160
+    long_one = engine.submit(Work(ids, SamplingOptions(max_new_tokens=20, seed=4, temperature=1.0)))
+    turns, published = 0, []
+    while long_one not in published and turns < 100:
+        before = len(events)
+        engine.turn()
+        turns += 1
+        published = [ticket for ticket, _ in events[before:]]
+        assert published.count(running_one) == 1  # a token every turn
+    assert turns == -(-(len(ids) + 1) // 16)  # BOS and the prompt, 16 tokens a turn
+    while not any(isinstance(event, Done) for ticket, event in events if ticket is long_one):
+        engine.turn()
+    text = "".join(event.text for ticket, event in events if ticket is long_one and isinstance(event, Text))
+    assert text == library_text(tiny_run, prompt, max_new_tokens=20, seed=4, temperature=1.0)
+
+
+def test_queued_requests_wait_and_a_disconnect_frees_the_slot_at_once(tiny_run):
+    with running(tiny_run, parallel=1, queue=1) as url, httpx.Client(timeout=60) as http:
         stream = Stream(http, url, "KING:", LONG)
         stream.texts(1)
+        waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
+            post, url, "/v1/completions", json={"prompt": "x", "max_tokens": 2}
+        )
+        wait_for(lambda: health(url)["queued"] == 1)
         refused = post(url, "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert refused.status_code == 503 and refused.headers["retry-after"]
         assert refused.json()["error"]["code"] == "server_overloaded"
-        stream.close()
-        for _ in range(200):
-            if busy_slots(url) == 0:
-                break
-            time.sleep(0.02)
-        assert busy_slots(url) == 0
-        served = post(url, "/v1/completions", json={"prompt": "x", "max_tokens": 2})
-        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
-        http.close()
+        stream.close()  # the client goes away: the queued request gets the row
+        assert waiting.result().json()["usage"]["completion_tokens"] == 2
+        with socket.create_connection(urllib.parse.urlsplit(url)[1].split(":")) as raw:  # not streaming this time
+            body = json.dumps({"prompt": "KING:", "max_tokens": LONG}).encode()
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)  # fmt: skip
+            wait_for(lambda: health(url)["slots_busy"] == 1)
+        wait_for(lambda: health(url)["slots_busy"] == 0)
 
 
 def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -337,3 +385,21 @@ def test_serve_refuses_bad_options_and_a_missing_extra_in_one_line(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
     result = CliRunner().invoke(app, ["serve"])
     assert result.exit_code == 2 and "pip install 'aftgen[serve]'" in result.output
+
+
+def test_bench_serve_figures():
+    """Each phase's figures from the clients' timings: pooled gaps, first-chunk delays, tokens over wall time."""
+    timings = [StreamTiming(sent=0.0, arrivals=[0.1, 0.2, 0.4], tokens=3, ended=0.5),
+               StreamTiming(sent=0.5, arrivals=[0.6, 0.7], tokens=2, ended=1.0)]  # fmt: skip
+    figures = phase_figures(timings)
+    assert figures["tokens_per_s"] == pytest.approx(5 / 1.0)
+    assert figures["itl_p50_ms"] == pytest.approx(100) and figures["itl_p99_ms"] == pytest.approx(200)
+    assert figures["ttft_p50_ms"] == pytest.approx(100) and figures["ttft_max_ms"] == pytest.approx(100)
+
+
+def test_bench_serve_runs_a_server_and_reports_against_the_targets(tiny_run):
+    rows = bench_serve(BenchServeOptions(model=str(tiny_run), tokens=16, threads=1), log=lambda line: None)
+    throughput = {row["streams"]: row["value"] for row in rows if row["measure"] == "aggregate throughput"}
+    assert set(throughput) == {1, 8, 32} and all(value > 0 for value in throughput.values())
+    targets = [row for row in rows if "target" in row]
+    assert len(targets) == 3 and all(isinstance(row["ok"], bool) and row["value"] == row["value"] for row in targets)

@@ -126,16 +126,21 @@ class Engine:
     # --- the engine thread ---
 
     def _run(self) -> None:
-        with torch.inference_mode(), self.placement.autocast():
+        with self.placement.autocast():
             while not self.stopping:
                 try:
-                    self._turn()
+                    self.turn()
                 except Exception:  # a bug must not take the server down: fail what is running, go on
                     traceback.print_exc(file=sys.stderr)
                     self._fail_everything()
-                self._flush()
+                    self._flush()
 
-    def _turn(self) -> None:
+    @torch.inference_mode()
+    def turn(self) -> None:
+        """One turn of the loop: take requests in, read prompt chunks, step the batch, publish the events.
+
+        The engine's thread runs it over and over (tests drive it by hand, without the thread).
+        """
         if not (self.batch.rows or self.reading or self.waiting or self.incoming):
             self.wake.wait(IDLE_WAIT)
         self.wake.clear()
@@ -146,6 +151,7 @@ class Engine:
         self._admit()
         self._read()
         self._step()
+        self._flush()
 
     def _emit(self, ticket: Ticket, event: Event) -> None:
         self.outbox.append((ticket, event))
