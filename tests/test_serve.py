@@ -289,8 +289,8 @@ def test_queued_requests_wait_and_a_disconnect_frees_the_slot_at_once(tiny_run):
         assert waiting.result().json()["usage"]["completion_tokens"] == 2
         with socket.create_connection(urllib.parse.urlsplit(url)[1].split(":")) as raw:  # not streaming this time
             body = json.dumps({"prompt": "KING:", "max_tokens": LONG}).encode()
-            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                        b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)  # fmt: skip
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            raw.sendall(f"{head}Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
             wait_for(lambda: health(url)["slots_busy"] == 1)
         wait_for(lambda: health(url)["slots_busy"] == 0)
 

@@ -183,10 +183,15 @@ def bench_serve(options: BenchServeOptions, log=print) -> list[Row]:
 
 def serve_rows(phases: dict[int, dict[str, float]], state_mb: float) -> list[Row]:
     """The measurements as rows, then the targets (32 streams against one, measured in the same run)."""
-    units = {"tokens_per_s": ("aggregate throughput", "tokens/s"), "itl_p50_ms": ("inter-token latency p50", "ms"),
-             "itl_p99_ms": ("inter-token latency p99", "ms"), "ttft_p50_ms": ("time to first token p50", "ms"),
-             "ttft_max_ms": ("time to first token, slowest stream", "ms"),
-             "rss_mb": ("server resident memory", "MB"), "peak_rss_mb": ("server peak resident memory", "MB")}  # fmt: skip
+    units = {
+        "tokens_per_s": ("aggregate throughput", "tokens/s"),
+        "itl_p50_ms": ("inter-token latency p50", "ms"),
+        "itl_p99_ms": ("inter-token latency p99", "ms"),
+        "ttft_p50_ms": ("time to first token p50", "ms"),
+        "ttft_max_ms": ("time to first token, slowest stream", "ms"),
+        "rss_mb": ("server resident memory", "MB"),
+        "peak_rss_mb": ("server peak resident memory", "MB"),
+    }
     rows: list[Row] = [
         {"measure": label, "value": round(figures[key], 3), "unit": unit, "streams": streams}
         for streams, figures in phases.items()

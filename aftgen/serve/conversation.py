@@ -1,4 +1,4 @@
-"""Chat messages as the plain text `aftgen chat` reads: each user line then a newline, each reply ending in a blank line.
+"""Chat messages as the plain text `aftgen chat` reads: a user line ends in a newline, a reply in a blank line.
 
 Each message is tokenized on its own, as `aftgen chat` reads each line on its own. A conversation
 that grows by a turn then keeps every earlier token as it was, which is what lets the prefix cache

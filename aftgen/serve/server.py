@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import socket
 import sys
 from pathlib import Path
@@ -68,5 +69,8 @@ def prepare(options: ServeOptions, placement: Placement) -> tuple[uvicorn.Server
 def serve(options: ServeOptions, placement: Placement) -> None:
     """Serve until Ctrl-C (or SIGTERM), printing where on stderr."""
     server, sock, url = prepare(options, placement)
+    if options.api_key is None and not ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
+        print("warning: listening beyond this machine without --api-key: anyone who can reach it can use the model",
+              file=sys.stderr)  # fmt: skip
     print(f"aftgen serve: {model_name(options.model)} at {url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
