@@ -403,3 +403,15 @@ def test_bench_serve_runs_a_server_and_reports_against_the_targets(tiny_run):
     assert set(throughput) == {1, 8, 32} and all(value > 0 for value in throughput.values())
     targets = [row for row in rows if "target" in row]
     assert len(targets) == 3 and all(isinstance(row["ok"], bool) and row["value"] == row["value"] for row in targets)
+
+
+def test_a_failing_step_fails_its_requests_with_500_and_the_server_goes_on(url, monkeypatch):
+    def broken(self, tokens):
+        raise RuntimeError("simulated failure")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Batch, "step", broken)
+        error = assert_openai_error(post(url, "/v1/completions", json={"prompt": "x", "max_tokens": 5}), 500)
+        assert error["type"] == "server_error"
+    assert post(url, "/v1/completions", json={"prompt": "x", "max_tokens": 5}).json()["usage"]["completion_tokens"] == 5
+    assert busy_slots(url) == 0

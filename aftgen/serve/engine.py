@@ -167,6 +167,8 @@ class Engine:
 
     def _fail_everything(self) -> None:
         tickets = {row.ticket for row in self.batch.rows} | {reader.ticket for reader in self.reading}
+        for name in self.busy_sessions:  # their contexts may be half updated: the next request reloads them
+            self.sessions.forget(name)
         waiting = list(self.waiting)
         self._dequeued(len(waiting))
         for ticket in tickets | set(waiting):

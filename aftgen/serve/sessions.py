@@ -61,6 +61,10 @@ class SessionStore:
         if path is not None:
             save_state(path, context, self.model, self.tokenizer)
 
+    def forget(self, name: str) -> None:
+        """Drop a session from memory (its file, if any, stays: the next `get` reads it)."""
+        self.held.pop(name, None)
+
     def _hold(self, name: str, context: Context) -> None:
         self.held[name] = context
         self.held.move_to_end(name)

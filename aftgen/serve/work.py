@@ -6,8 +6,7 @@ events, and the HTTP side turns them into OpenAI's JSON or server-sent events.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aftgen.sampling import SamplingOptions
 
@@ -71,4 +70,3 @@ class Ticket:
     inbox: object = None
     cancelled: bool = False
     unfinished: int = 0  # choices still generating
-    submitted: float = field(default_factory=time.monotonic)
