@@ -498,7 +498,13 @@ def serve(
     ] = SERVE.prompt_chunk,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
-    threads: ThreadsOption = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            help="CPU threads (default: the physical cores but one, left to the HTTP side).",
+            rich_help_panel=HARDWARE_PANEL,
+        ),
+    ] = None,
 ) -> None:
     """An OpenAI-compatible HTTP server: completions and chat, streaming, every request's state stepped in one batch."""
     from aftgen.serve.server import require_serve_extra
@@ -512,7 +518,7 @@ def serve(
     )  # fmt: skip
     options.check()
     require_serve_extra()
-    run_server(options, _placement(device, dtype, threads))
+    run_server(options, _placement(device, dtype, options.torch_threads()))
 
 
 @app.command("eval")
@@ -746,7 +752,9 @@ def bench_serve_command(
         str | None, typer.Option("--model", "-m", help="Serve this checkpoint (folder or Hub id).")
     ] = None,
     tokens: Annotated[int, typer.Option(help="Tokens each stream generates.")] = BenchServeOptions.tokens,
-    threads: ThreadsOption = None,
+    threads: Annotated[
+        int | None, typer.Option(help="The server's CPU threads (default: its own, the physical cores but one).")
+    ] = None,
     as_json: AsJson = False,
 ) -> None:
     """Start `aftgen serve` and drive it with 1, 8 and 32 concurrent streams: tokens/s, inter-token latency, memory."""
