@@ -155,6 +155,13 @@ def test_completions_and_chat_through_the_openai_client(url, tiny_run):
     assert [c.index for c in several.choices] == [0, 1, 2]
     assert several.choices[0].text == whole.choices[0].text and several.usage.completion_tokens == 90
 
+    llama_cpp_fields = dict(top_k=5, min_p=0.05, repeat_penalty=1.3, repeat_last_n=16)
+    tuned = api.completions.create(
+        model=tiny_run.name, prompt="KING:", max_tokens=30, seed=3, extra_body=llama_cpp_fields
+    )
+    assert tuned.choices[0].text == library_text(tiny_run, "KING:", max_new_tokens=30, seed=3, temperature=1.0,
+                                                 **llama_cpp_fields)  # fmt: skip
+
     greedy = api.completions.create(model=tiny_run.name, prompt="KING:", max_tokens=60, temperature=0)
     stop = greedy.choices[0].text[20:23]
     stopped = api.completions.create(model=tiny_run.name, prompt="KING:", max_tokens=60, temperature=0, stop=[stop])
@@ -331,6 +338,8 @@ def test_bad_fields_get_400_in_openai_shape(url, fields, param):
 def test_errors_get_their_status_in_openai_shape(url):
     assert_openai_error(post(url, "/v1/completions", content=b'{"prompt": "x",'), 400)
     assert_openai_error(post(url, "/v1/completions", json=["x"]), 400)
+    assert_openai_error(post(url, "/v1/completions", content=b"[" * 4000), 400)
+    assert_openai_error(post(url, "/v1/completions", content=b'{"prompt": "\xff"}'), 400)
     assert_openai_error(post(url, "/v1/completions", json={"max_tokens": 3}), 400, "prompt")
     assert_openai_error(post(url, "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}), 400,
                         "messages[0].role")  # fmt: skip

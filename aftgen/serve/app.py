@@ -165,7 +165,7 @@ class Server:
                 raise too_large
         try:
             data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # RecursionError: arrays nested deeper than Python recurses
             raise APIError(400, PARSE_ERROR) from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
