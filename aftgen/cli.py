@@ -455,47 +455,33 @@ SERVE_PANEL, LIMITS_PANEL = "Server", "Limits"
 SERVE = ServeOptions()  # the defaults: the options' one home
 
 
+def _server_option(help: str, **extra):
+    return typer.Option(help=help, rich_help_panel=SERVE_PANEL, **extra)
+
+
+def _limit(help: str | None = None):
+    return typer.Option(help=help, rich_help_panel=LIMITS_PANEL)
+
+
 @app.command()
 @command
 def serve(
     model: ModelOption = None,
-    host: Annotated[
-        str, typer.Option(help="Address to listen on (127.0.0.1: this machine only).", rich_help_panel=SERVE_PANEL)
-    ] = SERVE.host,
-    port: Annotated[int, typer.Option(help="0: any free port.", rich_help_panel=SERVE_PANEL)] = SERVE.port,
+    host: Annotated[str, _server_option("Address to listen on (127.0.0.1: this machine only).")] = SERVE.host,
+    port: Annotated[int, _server_option("0: any free port.")] = SERVE.port,
     api_key: Annotated[
-        str | None,
-        typer.Option(envvar="AFTGEN_API_KEY", help="Require 'Authorization: Bearer KEY'.", rich_help_panel=SERVE_PANEL),
+        str | None, _server_option("Require 'Authorization: Bearer KEY'.", envvar="AFTGEN_API_KEY")
     ] = None,
-    sessions_dir: Annotated[
-        Path | None, typer.Option(help="Save named sessions here (aftgen state files).", rich_help_panel=SERVE_PANEL)
-    ] = None,
-    cache_mb: Annotated[
-        float, typer.Option(help="Prefix-state cache size (0: off).", rich_help_panel=SERVE_PANEL)
-    ] = SERVE.cache_mb,
-    parallel: Annotated[
-        int, typer.Option(help="Sequences generating at once (rows of the batched step).", rich_help_panel=LIMITS_PANEL)
-    ] = SERVE.parallel,
-    queue: Annotated[
-        int, typer.Option(help="Requests waiting for a row; past that: 503.", rich_help_panel=LIMITS_PANEL)
-    ] = SERVE.queue,
-    max_prompt_tokens: Annotated[int, typer.Option(rich_help_panel=LIMITS_PANEL)] = SERVE.max_prompt_tokens,
-    max_tokens: Annotated[
-        int, typer.Option(help="Most tokens a request may ask for (and its default).", rich_help_panel=LIMITS_PANEL)
-    ] = SERVE.max_tokens,
-    max_body_bytes: Annotated[int, typer.Option(rich_help_panel=LIMITS_PANEL)] = SERVE.max_body_bytes,
-    timeout: Annotated[
-        float,
-        typer.Option(
-            help="Seconds a request may take, queueing included; past that: 504.", rich_help_panel=LIMITS_PANEL
-        ),
-    ] = SERVE.timeout,
-    max_sessions: Annotated[
-        int, typer.Option(help="Named sessions held in memory.", rich_help_panel=LIMITS_PANEL)
-    ] = SERVE.max_sessions,
-    prompt_chunk: Annotated[
-        int, typer.Option(help="Prompt tokens read between two batched steps.", rich_help_panel=LIMITS_PANEL)
-    ] = SERVE.prompt_chunk,
+    sessions_dir: Annotated[Path | None, _server_option("Save named sessions here (aftgen state files).")] = None,
+    cache_mb: Annotated[float, _server_option("Prefix-state cache size (0: off).")] = SERVE.cache_mb,
+    parallel: Annotated[int, _limit("Sequences generating at once (rows of the batched step).")] = SERVE.parallel,
+    queue: Annotated[int, _limit("Requests waiting for a row; past that: 503.")] = SERVE.queue,
+    max_prompt_tokens: Annotated[int, _limit()] = SERVE.max_prompt_tokens,
+    max_tokens: Annotated[int, _limit("Most tokens a request may ask for (and its default).")] = SERVE.max_tokens,
+    max_body_bytes: Annotated[int, _limit()] = SERVE.max_body_bytes,
+    timeout: Annotated[float, _limit("Seconds a request may take, queueing included; past that: 504.")] = SERVE.timeout,
+    max_sessions: Annotated[int, _limit("Named sessions held in memory.")] = SERVE.max_sessions,
+    prompt_chunk: Annotated[int, _limit("Prompt tokens read between two batched steps.")] = SERVE.prompt_chunk,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     threads: Annotated[
