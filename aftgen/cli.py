@@ -738,6 +738,9 @@ def bench_serve_command(
         str | None, typer.Option("--model", "-m", help="Serve this checkpoint (folder or Hub id).")
     ] = None,
     tokens: Annotated[int, typer.Option(help="Tokens each stream generates.")] = BenchServeOptions.tokens,
+    rounds: Annotated[
+        int, typer.Option(help="Rounds of 1, 8 and 32 streams in turn (each figure: the best round's).")
+    ] = BenchServeOptions.rounds,
     threads: Annotated[
         int | None, typer.Option(help="The server's CPU threads (default: its own, the physical cores but one).")
     ] = None,
@@ -748,7 +751,7 @@ def bench_serve_command(
     from aftgen.serve.bench import bench_serve
     from aftgen.serve.server import require_serve_extra
 
-    options = BenchServeOptions(model=model, tokens=tokens, threads=threads)
+    options = BenchServeOptions(model=model, tokens=tokens, rounds=rounds, threads=threads)
     options.check()
     require_serve_extra()
     print_rows(bench_serve(options, log=_progress), as_json)

@@ -407,7 +407,7 @@ def test_bench_serve_figures():
 
 
 def test_bench_serve_runs_a_server_and_reports_against_the_targets(tiny_run):
-    rows = bench_serve(BenchServeOptions(model=str(tiny_run), tokens=16, threads=1), log=lambda line: None)
+    rows = bench_serve(BenchServeOptions(model=str(tiny_run), tokens=16, rounds=2, threads=1), log=lambda line: None)
     throughput = {row["streams"]: row["value"] for row in rows if row["measure"] == "aggregate throughput"}
     assert set(throughput) == {1, 8, 32} and all(value > 0 for value in throughput.values())
     targets = [row for row in rows if "target" in row]
