@@ -62,6 +62,8 @@ class Row:
 
 
 class Engine:
+    """The model's side of the server: requests in through `submit`, their events out through `publish`."""
+
     def __init__(self, model: AFTLM, tokenizer: Tokenizer, options: ServeOptions, placement: Placement):
         self.model, self.tokenizer, self.options, self.placement = model, tokenizer, options, placement
         self.batch = Batch(model, options.parallel)  # its rows are the Rows generating, in step order
