@@ -6,7 +6,7 @@ top-p (nucleus), min-p, repeat penalty over the last n tokens, stop strings.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -79,9 +79,16 @@ def filter_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tenso
 
 
 def choose(
-    logits: torch.Tensor, options: SamplingOptions, history: torch.Tensor, generator: torch.Generator
+    logits: torch.Tensor,
+    options: SamplingOptions,
+    history: torch.Tensor,
+    generator: torch.Generator | Sequence[torch.Generator],
 ) -> torch.Tensor:
-    """The next token for each row of logits (B, V), given each row's token history (B, n)."""
+    """The next token for each row of logits (B, V), given each row's token history (B, n).
+
+    `generator`: one for all the rows, or one per row; then each row draws exactly what it would
+    draw alone (a server samples many sequences at once, and each still follows its own seed).
+    """
     recent = history[:, -options.repeat_last_n :] if options.repeat_last_n else history[:, :0]
     # Sampling runs on the CPU whatever the model's device: the generator is a CPU one, and a seed
     # then gives the same text on any device.
@@ -89,7 +96,21 @@ def choose(
     if options.temperature == 0:
         return logits.argmax(-1)
     probs = filter_logits(logits, options).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    if isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return exponential_race(probs, generator)
+
+
+def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of probs (B, V): argmax of p / q, q ~ Exp(1) drawn from the row's generator.
+
+    This is how torch.multinomial draws a single sample, draw for draw (tests/test_serve.py checks
+    it), but the division and the argmax run once for all the rows.
+    """
+    race = torch.empty_like(probs)
+    for row, generator in zip(race, generators, strict=True):
+        row.exponential_(1, generator=generator)
+    return (probs / race).argmax(-1)
 
 
 class StopFilter:

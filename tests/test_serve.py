@@ -22,7 +22,7 @@ from aftgen.api import load
 from aftgen.cli import app
 from aftgen.device import resolve
 from aftgen.model import AFTLM, AFTConfig, clone_state
-from aftgen.sampling import SamplingOptions, generate, read_prompt
+from aftgen.sampling import SamplingOptions, exponential_race, generate, read_prompt
 from aftgen.serve.batch import Batch
 from aftgen.serve.bench import StreamTiming, bench_serve, phase_figures
 from aftgen.serve.engine import Engine
@@ -136,6 +136,17 @@ def test_batched_step_matches_each_sequence_alone(mixer):
                 assert own.argmax() == logits[r].argmax()
 
 
+def test_exponential_race_draws_what_multinomial_draws():
+    """Sampling a batch, each row from its own generator, draws what torch.multinomial draws for each alone."""
+    probs = torch.randn(64, 300, generator=torch.Generator().manual_seed(0)).mul(3).softmax(-1)
+    alone = [torch.Generator().manual_seed(seed) for seed in range(64)]
+    together = [torch.Generator().manual_seed(seed) for seed in range(64)]
+    for _ in range(3):
+        singles = [int(torch.multinomial(row[None], 1, generator=g)) for row, g in zip(probs, alone, strict=True)]
+        assert exponential_race(probs, together).tolist() == singles
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(alone, together, strict=True))
+
+
 def test_completions_and_chat_through_the_openai_client(url, tiny_run):
     api = client(url)
     assert [m.id for m in api.models.list().data] == [tiny_run.name]
@@ -224,7 +235,9 @@ def test_seeded_request_gives_the_same_text_alone_and_among_eight_others(url, ti
     ]
     for ask, text in zip(asks, alone, strict=True):
         with httpx.Client(timeout=60) as http:
-            others = [Stream(http, url, "JULIET: " * (i + 1), LONG, seed=i) for i in range(4)]
+            others = [
+                Stream(http, url, "JULIET: " * (i + 1), LONG, **ask | {"seed": i}) for i in range(4)
+            ]  # drawn alike
             for stream in others:
                 stream.texts(1)
             mine = Stream(http, url, "NURSE:", LONG, **ask)

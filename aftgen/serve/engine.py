@@ -22,7 +22,7 @@ import torch
 from aftgen.device import Placement
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, ModelState
-from aftgen.sampling import MAX_REPEAT_LAST_N, Context, TextStream, new_generator
+from aftgen.sampling import MAX_REPEAT_LAST_N, Context, TextStream, choose, new_generator
 from aftgen.serve.batch import Batch
 from aftgen.serve.cache import PrefixCache, state_bytes
 from aftgen.serve.options import ServeOptions
@@ -296,11 +296,33 @@ class Engine:
         rows = list(self.batch.rows)
         if not rows:
             return
-        tokens = torch.cat([row.stream.next_token() for row in rows])
+        tokens = self._choose(rows)
         logits = self.batch.step(tokens)
         for i, row in enumerate(rows):
             self._text(row, row.stream.accept(tokens[i : i + 1], logits[i : i + 1]))
         self._finish([row for row in rows if row.stream.done])
+
+    def _choose(self, rows: list[Row]) -> torch.Tensor:
+        """Every row's next token (B,). Rows that sample alike are drawn together, each from its own
+        generator (so each draws what it would alone); a repeat penalty reads a row's own history, so
+        those rows are drawn one by one."""
+        tokens: list[torch.Tensor | None] = [None] * len(rows)
+        alike: dict[tuple, list[int]] = {}
+        for i, row in enumerate(rows):
+            options = row.stream.options
+            if options.repeat_penalty == 1.0:
+                alike.setdefault((options.temperature, options.top_k, options.top_p, options.min_p), []).append(i)
+            else:
+                tokens[i] = row.stream.next_token()
+        for members in alike.values():
+            contexts = [rows[i].stream.context for i in members]
+            logits = torch.cat([context.logits for context in contexts])
+            no_history = torch.zeros(len(members), 0, dtype=torch.long)
+            options = rows[members[0]].stream.options
+            drawn = choose(logits, options, no_history, [context.generator for context in contexts])
+            for i, token in zip(members, drawn, strict=True):
+                tokens[i] = token.view(1)
+        return torch.cat(tokens)
 
     def _text(self, row: Row, text: str) -> None:
         if text:
