@@ -185,10 +185,11 @@ def bench_serve(options: BenchServeOptions, log=print) -> list[Row]:
 
 
 def best_of(rounds: list[dict[str, float]]) -> dict[str, float]:
-    """The most tokens/s and the least of every time; memory as after the first round (peak: after the last)."""
+    """The most tokens/s and the least of every time; memory as right after the first round's phase (the
+    peak only ever grows, so a later round's would carry the other phases' peaks)."""
     best = {key: min(figures[key] for figures in rounds) for key in rounds[0]}
     best["tokens_per_s"] = max(figures["tokens_per_s"] for figures in rounds)
-    best["rss_mb"], best["peak_rss_mb"] = rounds[0]["rss_mb"], rounds[-1]["peak_rss_mb"]
+    best["rss_mb"], best["peak_rss_mb"] = rounds[0]["rss_mb"], rounds[0]["peak_rss_mb"]
     return best
 
 
