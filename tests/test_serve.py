@@ -24,7 +24,7 @@ from aftgen.device import resolve
 from aftgen.model import AFTLM, AFTConfig, clone_state
 from aftgen.sampling import SamplingOptions, exponential_race, generate, read_prompt
 from aftgen.serve.batch import Batch
-from aftgen.serve.bench import StreamTiming, bench_serve, phase_figures
+from aftgen.serve.bench import StreamTiming, bench_serve, best_of, phase_figures
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import BenchServeOptions, ServeOptions
 from aftgen.serve.server import prepare
@@ -421,6 +421,9 @@ def test_bench_serve_figures():
     assert figures["tokens_per_s"] == pytest.approx(5 / 1.0)
     assert figures["itl_p50_ms"] == pytest.approx(100) and figures["itl_p99_ms"] == pytest.approx(200)
     assert figures["ttft_p50_ms"] == pytest.approx(100) and figures["ttft_max_ms"] == pytest.approx(100)
+    later = figures | {"tokens_per_s": 4.0, "itl_p99_ms": 150.0, "rss_mb": 9.0, "peak_rss_mb": 9.0}
+    best = best_of([figures | {"rss_mb": 1.0, "peak_rss_mb": 2.0}, later])
+    assert (best["tokens_per_s"], best["itl_p99_ms"], best["peak_rss_mb"]) == (5.0, 150.0, 2.0)
 
 
 def test_bench_serve_runs_a_server_and_reports_against_the_targets(tiny_run):
