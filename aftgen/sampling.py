@@ -6,7 +6,7 @@ top-p (nucleus), min-p, repeat penalty over the last n tokens, stop strings.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -84,9 +84,16 @@ def filter_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tenso
 
 
 def choose(
-    logits: torch.Tensor, options: SamplingOptions, history: torch.Tensor, generator: torch.Generator
+    logits: torch.Tensor,
+    options: SamplingOptions,
+    history: torch.Tensor,
+    generator: torch.Generator | Sequence[torch.Generator],
 ) -> torch.Tensor:
-    """The next token for each row of logits (B, V), given each row's token history (B, n)."""
+    """The next token for each row of logits (B, V), given each row's token history (B, n).
+
+    `generator`: one for all the rows, or one per row; then each row draws exactly what it would
+    draw alone (a server samples many sequences at once, and each still follows its own seed).
+    """
     recent = history[:, -options.repeat_last_n :] if options.repeat_last_n else history[:, :0]
     # Sampling runs on the CPU whatever the model's device: the generator is a CPU one, and a seed
     # then gives the same text on any device.
@@ -94,7 +101,21 @@ def choose(
     if options.temperature == 0:
         return logits.argmax(-1)
     probs = filter_logits(logits, options).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    if isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return exponential_race(probs, generator)
+
+
+def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of probs (B, V): argmax of p / q, q ~ Exp(1) drawn from the row's generator.
+
+    This is how torch.multinomial draws a single sample, draw for draw (tests/test_serve.py checks
+    it), but the division and the argmax run once for all the rows.
+    """
+    race = torch.empty_like(probs)
+    for row, generator in zip(race, generators, strict=True):
+        row.exponential_(1, generator=generator)
+    return (probs / race).argmax(-1)
 
 
 class StopFilter:
@@ -185,6 +206,58 @@ def read_prompt(
     return context
 
 
+class TextStream:
+    """One generation's tokens in, its text out: whole characters only, ending after max_new_tokens or
+    before a stop string. `generate` drives one; a server drives many, stepping them as one batch.
+
+    The caller asks `next_token()`, runs the model on it and hands the new logits to `accept`, which
+    reads the token into the context before returning its text, so the context is consistent between
+    any two calls.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, context: Context, options: SamplingOptions):
+        self.context, self.options = context, options
+        self.decoder, self.stops = tokenizer.stream_decoder(), StopFilter(options.stop)
+        self.produced = 0
+
+    def begin(self) -> str:
+        """Text of a character an earlier run left unfinished (context.pending), now that it goes on."""
+        carried = self.stops.feed(self.decoder.feed_bytes(self.context.pending))
+        self.context.pending = b""
+        return carried
+
+    @property
+    def stopped(self) -> bool:
+        return self.stops.stopped
+
+    @property
+    def done(self) -> bool:
+        limit = self.options.max_new_tokens
+        return self.stops.stopped or 0 <= limit <= self.produced
+
+    def next_token(self) -> torch.Tensor:
+        context = self.context
+        return choose(context.logits, self.options, context.recent, context.generator)
+
+    def accept(self, token: torch.Tensor, logits: torch.Tensor) -> str:
+        """Read `token` (1,) into the context, with the logits (1, vocab) the model gave after it."""
+        self.produced += 1
+        self.context.logits = logits
+        self.context.remember(token)
+        return self.stops.feed(self.decoder.feed(int(token)))
+
+    def end(self, final: bool = True) -> str:
+        """The text held back at the end. With final=False the run is to be continued later: a character
+        the last token left unfinished stays in context.pending instead of becoming U+FFFD."""
+        if self.stops.stopped:
+            return ""
+        if final:
+            tail = self.decoder.flush()
+        else:
+            tail, self.context.pending = "", self.decoder.pending()
+        return self.stops.feed(tail) + ("" if self.stops.stopped else self.stops.flush())
+
+
 @torch.inference_mode()
 def generate(
     model: AFTLM,
@@ -198,31 +271,21 @@ def generate(
 
     Yields only whole characters; ends after max_new_tokens or before a stop string. Each token is
     read into the context before its text is yielded, so leaving the loop at any point (Ctrl-C in
-    chat) leaves a consistent context. With final=False the run is to be continued later: a
-    character the last token left unfinished stays in context.pending instead of becoming U+FFFD.
+    chat) leaves a consistent context. With final=False the run is to be continued later (see TextStream.end).
     """
     step = step or model.step
-    decoder, stops = tokenizer.stream_decoder(), StopFilter(options.stop)
-    carried = stops.feed(decoder.feed_bytes(context.pending))
-    context.pending = b""
+    stream = TextStream(tokenizer, context, options)
+    carried = stream.begin()
     if carried:
         yield carried
-    produced = 0
-    while not stops.stopped and (options.max_new_tokens < 0 or produced < options.max_new_tokens):
-        token = choose(context.logits, options, context.recent, context.generator)
-        produced += 1
-        context.logits, _ = step(token, context.state)
-        context.remember(token)
-        text = stops.feed(decoder.feed(int(token)))
+    while not stream.done:
+        token = stream.next_token()
+        logits, _ = step(token, context.state)
+        text = stream.accept(token, logits)
         if text:
             yield text
-    if stops.stopped:
-        return
-    if final:
-        tail = decoder.flush()
-    else:
-        tail, context.pending = "", decoder.pending()
-    yield stops.feed(tail) + ("" if stops.stopped else stops.flush())
+    if not stream.stopped:
+        yield stream.end(final)
 
 
 def sample_text(

@@ -8,8 +8,9 @@ from typing import Annotated
 
 import typer
 
-from aftgen.cli.common import command, progress, require_file, set_up_torch
+from aftgen.cli.common import command, options_from, progress, require_file, set_up_torch
 from aftgen.errors import AftgenError
+from aftgen.serve.options import BenchServeOptions
 
 bench_app = typer.Typer(help="Measure speed and memory on this machine (no subcommand: `bench all`).")
 AsJson = Annotated[bool, typer.Option("--json", help="One JSON object per row on stdout.")]
@@ -164,3 +165,29 @@ def bench_finetune_command(
     set_up_torch()
     progress(f"bench finetune: {base} against from scratch, {len(files)} files")
     print_rows(bench_finetune(base, files, chosen, budgets, log=progress), as_json)
+
+
+@bench_app.command("serve")
+@command
+def bench_serve_command(
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="Serve this checkpoint (folder or Hub id).")
+    ] = None,
+    tokens: Annotated[int, typer.Option(help="Tokens each stream generates.")] = BenchServeOptions.tokens,
+    rounds: Annotated[
+        int, typer.Option(help="Rounds of 1, 8 and 32 streams in turn (each figure: the best round's).")
+    ] = BenchServeOptions.rounds,
+    threads: Annotated[
+        int | None, typer.Option(help="The server's CPU threads (default: its own, the physical cores but one).")
+    ] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Start `aftgen serve` and drive it with 1, 8 and 32 concurrent streams: tokens/s, inter-token latency, memory."""
+    from aftgen.bench.report import print_rows
+    from aftgen.bench.serve import bench_serve
+    from aftgen.serve.server import require_serve_extra
+
+    options = options_from(BenchServeOptions, locals())
+    options.check()
+    require_serve_extra()
+    print_rows(bench_serve(options, log=progress), as_json)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import math
 import multiprocessing
 import resource
@@ -20,16 +21,17 @@ Timer = tuple[Callable[[], object], int, int]  # (one call, calls per round, tok
 Result = TypeVar("Result")
 
 
-def memory_mb() -> tuple[float, float]:
-    """(resident, peak resident) memory of this process in MB."""
+def memory_mb(pid: int | str = "self") -> tuple[float, float]:
+    """(resident, peak resident) memory of a process (this one by default) in MB; NaN where unknown."""
     fields = {}
-    status = Path("/proc/self/status")
-    if status.exists():
+    status = Path(f"/proc/{pid}/status")
+    with contextlib.suppress(OSError):
         for line in status.read_text().splitlines():
             name, _, value = line.partition(":")
             if name in ("VmRSS", "VmHWM"):
                 fields[name] = int(value.split()[0]) / 1024
-    peak = fields.get("VmHWM", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if pid == "self" else math.nan
+    peak = fields.get("VmHWM", own)
     return fields.get("VmRSS", peak), peak
 
 

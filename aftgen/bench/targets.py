@@ -39,6 +39,10 @@ TARGETS: dict[str, Target] = {
     "decode after 32k": Target("decode latency aft_local / attention, after 32k", "x", "<=", 0.125),
     "quality": Target("held-out nats/char, aft_local minus attention", "nats/char", "<=", 0.03),
     "decode state growth": Target("decode state growth aft_local, 1k -> 32k", "MB", "==", 0),
+    # bench serve: 32 concurrent streams against one, shipped model
+    "serve throughput": Target("aggregate tokens/s, 32 streams / 1 stream", "x", ">=", 6),
+    "serve latency": Target("ITL p99 at 32 streams / single-stream step (ITL p50 at 1)", "x", "<=", 6),
+    "serve memory": Target("peak resident memory growth 1 -> 32 streams, beyond 32 states", "MB", "<=", 50),
     # bench finetune: 60 s on 50 KB, fine-tuning the shipped model against training from scratch
     "fine-tuning advantage": Target("fine-tuned minus from-scratch held-out, 50 KB, 60 s", "nats/char", ">=", 0.15),
 }

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from aftgen.bench.cli import bench_app
-from aftgen.cli import evaluate, generate, hub, train
+from aftgen.cli import evaluate, generate, hub, serve, train
 from aftgen.cli.common import DEBUG_VARIABLE
 
 app = typer.Typer(
@@ -43,6 +43,7 @@ app.command()(generate.chat)
 app.command("eval")(evaluate.evaluate)
 app.command()(hub.pull)
 app.command()(hub.push)
+app.command()(serve.serve)
 app.add_typer(bench_app, name="bench")
 
 

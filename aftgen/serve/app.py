@@ -1,0 +1,250 @@
+"""The HTTP side: OpenAI's routes on Starlette, over the engine's thread.
+
+GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions. Every error, ours or
+Starlette's (404, 405), is answered in OpenAI's shape. Streams are server-sent events in OpenAI's
+chunk format, ending with `data: [DONE]`; a client that goes away stops its generation at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from aftgen.serve.engine import Busy, Engine
+from aftgen.serve.replies import Reply
+from aftgen.serve.schema import APIError, parse_request
+from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket
+
+PARSE_ERROR = (
+    "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP library "
+    "correctly. The OpenAI API expects a JSON payload, but what was sent was not valid JSON.)"
+)
+
+
+class Gone:
+    """The client disconnected before its response began."""
+
+
+def error_response(error: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.status == 503 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def failure(event: Failed) -> APIError:
+    return APIError(event.status, event.message, event.kind, code=event.code)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose end, however it comes (done, client gone, error), calls `on_close`."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class Server:
+    """The routes, bound to one engine and model."""
+
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine, self.model_name, self.options = engine, model_name, engine.options
+        self.created = int(time.time())
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/health", self.health),
+            Route("/v1/models", self.models),
+            Route("/v1/models/{model:path}", self.model),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ]
+        handlers = {HTTPException: self.http_error, Exception: self.internal_error}
+        return Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+
+        def deliver(events: list[tuple[Ticket, Event]]) -> None:
+            for ticket, event in events:
+                ticket.inbox.put_nowait(event)
+
+        self.engine.publish = lambda events: loop.call_soon_threadsafe(deliver, events)
+        self.engine.start()
+        try:
+            yield
+        finally:
+            self.engine.stop()
+
+    async def http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(APIError(exc.status_code, message, kind))
+
+    async def internal_error(self, request: Request, exc: Exception) -> JSONResponse:
+        """A bug: the client gets a 500 in OpenAI's shape; uvicorn logs the traceback."""
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
+
+    def authorize(self, request: Request) -> None:
+        key = self.options.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not given:
+            raise APIError(401, "You didn't provide an API key: send 'Authorization: Bearer KEY'.")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    async def health(self, request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "model": self.model_name} | self.engine.stats())
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "aftgen"}
+
+    async def models(self, request: Request) -> Response:
+        return await self._answer(request, lambda: JSONResponse({"object": "list", "data": [self._model_card()]}))
+
+    async def model(self, request: Request) -> Response:
+        def card() -> JSONResponse:
+            if request.path_params["model"] != self.model_name:
+                message = f"The model '{request.path_params['model']}' does not exist"
+                raise APIError(404, message, param="model", code="model_not_found")
+            return JSONResponse(self._model_card())
+
+        return await self._answer(request, card)
+
+    async def _answer(self, request: Request, respond: Callable) -> Response:
+        """Authorize, then respond; an APIError anywhere becomes its JSON error response."""
+        try:
+            self.authorize(request)
+            result = respond()
+            return await result if asyncio.iscoroutine(result) else result
+        except APIError as error:
+            return error_response(error)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._answer(request, lambda: self._generate(request, chat=False))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._answer(request, lambda: self._generate(request, chat=True))
+
+    async def _body(self, request: Request) -> dict:
+        """The JSON object in the body, refusing one over the size limit before reading it all."""
+        limit = self.options.max_body_bytes
+        too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > limit:
+                raise too_large
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):  # RecursionError: arrays nested deeper than Python recurses
+            raise APIError(400, PARSE_ERROR) from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        return data
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        body = await self._body(request)
+        parsed = parse_request(body, chat, self.options, self.engine.tokenizer, self.model_name)
+        inbox: asyncio.Queue = asyncio.Queue()
+        try:
+            ticket = self.engine.submit(parsed.work, inbox)
+        except Busy:
+            message = "every generation slot is taken and the queue is full; try again shortly"
+            raise APIError(503, message, "server_error", code="server_overloaded") from None
+        reply = Reply(chat, self.model_name)
+        watcher = asyncio.create_task(self._watch(request, ticket))
+        try:
+            first = await self._until_started(ticket, reply, stop_early=parsed.stream)
+        finally:
+            watcher.cancel()  # a stream watches for itself (Starlette's StreamingResponse)
+        if isinstance(first, Gone):
+            return Response(status_code=499)  # nobody is listening; nothing to say
+        if not parsed.stream:
+            return JSONResponse(reply.whole())
+        stream = self._stream(ticket, reply, first, parsed.include_usage)
+        return EventStream(stream, on_close=lambda: self.engine.cancel(ticket))
+
+    async def _watch(self, request: Request, ticket: Ticket) -> None:
+        """Cancel the ticket when the client disconnects (while no response has begun)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.engine.cancel(ticket)
+        ticket.inbox.put_nowait(Gone())
+
+    async def _until_started(self, ticket: Ticket, reply: Reply, stop_early: bool) -> Event | Gone:
+        """Feed events to `reply` until generation starts (stop_early) or the request is done.
+
+        Returns the event it stopped at; a failure before that raises its APIError.
+        """
+        while True:
+            event = await ticket.inbox.get()
+            if isinstance(event, Failed):
+                raise failure(event)
+            if isinstance(event, Gone):
+                return event
+            reply.take(event)
+            if isinstance(event, Done) or (stop_early and reply.started is not None):
+                return event
+
+    async def _stream(self, ticket: Ticket, reply: Reply, first: Event, include_usage: bool) -> AsyncIterator[str]:
+        """OpenAI's chunks from the engine's events; text that piled up meanwhile goes out as one chunk."""
+        if reply.chat:
+            for index in range(ticket.work.n):
+                yield sse(reply.chunk(index, first=True))
+        events = [first]
+        while True:
+            for event in merged(events):
+                if isinstance(event, Failed):
+                    yield sse(failure(event).body())
+                    return
+                reply.take(event)
+                if isinstance(event, Text):
+                    yield sse(reply.chunk(event.index, event.text))
+                elif isinstance(event, Done):
+                    if include_usage:
+                        yield sse(reply.usage_chunk())
+                    yield sse("[DONE]")
+                    return
+                elif isinstance(event, Finished):
+                    yield sse(reply.chunk(event.index, finish=event.reason))
+            events = [await ticket.inbox.get()]
+            while not ticket.inbox.empty():
+                events.append(ticket.inbox.get_nowait())
+
+
+def merged(events: list[Event]) -> list[Event]:
+    """Consecutive texts of one choice joined into one, so a client that fell behind catches up in few chunks."""
+    out: list[Event] = []
+    for event in events:
+        if isinstance(event, Text) and out and isinstance(out[-1], Text) and out[-1].index == event.index:
+            out[-1] = Text(event.index, out[-1].text + event.text)
+        else:
+            out.append(event)
+    return out

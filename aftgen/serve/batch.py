@@ -1,0 +1,109 @@
+"""Many sequences' recurrent states stacked along the batch, so one `model.step` advances them all.
+
+Every AFT state has the same shape whatever its history, so rows stack, except for one thing: a
+layer's window is a ring buffer (token g sits in slot g mod s) addressed by a `position` that the
+whole batch shares. Sequences that have read different numbers of tokens are at different phases of
+their rings. Only the phase matters to the step (the prefix sums do not depend on the position), so
+a joining row's window is rotated to the batch's phase, and rotated back when it leaves, with its
+own position restored. The step itself is the library's, unchanged.
+
+The rows live in buffers allocated once for `capacity` sequences: joining copies one row in, leaving
+moves the last row into the gap. Nothing is reallocated as requests come and go, so memory holds
+still however busy the server gets.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aftgen.model import AFTLM, ModelState
+
+RING_BUFFERS = ("window_k", "window_v")  # (B, s, H, D), token g at slot g mod s (aftgen.mixer.aft_step)
+
+
+def rephase(state: ModelState, from_position: int, to_position: int) -> ModelState:
+    """The same state with every window rotated so that it reads as if at `to_position` (positions set too)."""
+    moved = []
+    for layer in state:
+        layer = dict(layer)
+        window = layer[RING_BUFFERS[0]].shape[1]
+        if window:
+            shift = (to_position - from_position) % window
+            for name in RING_BUFFERS:
+                layer[name] = torch.roll(layer[name], shift, dims=1)
+        layer["position"] = torch.tensor(to_position, dtype=torch.long, device=layer[RING_BUFFERS[0]].device)
+        moved.append(layer)
+    return moved
+
+
+class Batch:
+    """The states of the sequences now generating, one row each, stepped together.
+
+    `rows[r]` is whatever the caller gave for row r (the engine's sequences); `offsets[r]` is the batch
+    position minus row r's own, so its true position is always `position - offsets[r]`.
+    """
+
+    def __init__(self, model: AFTLM, capacity: int):
+        if model.config.mixer == "attention":
+            raise ValueError("only AFT mixers have a fixed-size state to batch")
+        self.model, self.capacity = model, capacity
+        # Untouched memory: pages become resident only as rows are first used.
+        self.buffers = [
+            {name: t.new_empty((capacity, *t.shape[1:])) for name, t in layer.items() if t.dim()}
+            for layer in model.initial_state(1)
+        ]
+        self.rows: list[object] = []
+        self.offsets: list[int] = []
+        self.position = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, joining: list[tuple[object, ModelState, int]]) -> None:
+        """Append rows: (owner, batch-1 state, its position) each."""
+        for owner, state, position in joining:
+            if len(self.rows) == self.capacity:
+                raise ValueError(f"the batch holds {self.capacity} rows at most")
+            if not self.rows:
+                self.position = position
+            row = len(self.rows)
+            for buffers, layer in zip(self.buffers, rephase(state, position, self.position), strict=True):
+                for name, buffer in buffers.items():
+                    buffer[row].copy_(layer[name][0])
+            self.rows.append(owner)
+            self.offsets.append(self.position - position)
+
+    def state_of(self, owner: object) -> tuple[ModelState, int]:
+        """A copy of one row's state as a batch-1 state at its own position, and that position."""
+        row = self.rows.index(owner)
+        own = self.position - self.offsets[row]
+        single = [{name: buffer[row : row + 1].clone() for name, buffer in layer.items()} for layer in self.buffers]
+        return rephase(single, self.position, own), own
+
+    def remove(self, owners: list[object]) -> None:
+        """Take these rows out; the last row moves into each gap."""
+        for owner in owners:
+            row, last = self.rows.index(owner), len(self.rows) - 1
+            if row != last:
+                for layer in self.buffers:
+                    for buffer in layer.values():
+                        buffer[row].copy_(buffer[last])
+                self.rows[row], self.offsets[row] = self.rows[last], self.offsets[last]
+            self.rows.pop()
+            self.offsets.pop()
+
+    def clear(self) -> None:
+        self.rows, self.offsets = [], []
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (in `rows` order), tokens (B,); returns logits (B, vocab)."""
+        count, device = len(self.rows), self.buffers[0][RING_BUFFERS[0]].device
+        state = [
+            {name: buffer[:count] for name, buffer in layer.items()}
+            | {"position": torch.tensor(self.position, dtype=torch.long, device=device)}
+            for layer in self.buffers
+        ]
+        logits, _ = self.model.step(tokens, state)  # updates the rows in place, through the views
+        self.position += 1
+        return logits

@@ -1,0 +1,67 @@
+"""States kept by the token prefix they read, so a prompt that extends one reads only its new tokens.
+
+A recurrent state cannot be cut back to an earlier token (llama.cpp #22940), so the cache keeps the
+state at whole prompts' ends: a chat that sends its history again finds the state after that
+history, and reads only the new turn. Bounded in megabytes, least recently used out first.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from aftgen.model import ModelState, clone_state
+
+
+def state_bytes(state: ModelState) -> int:
+    return sum(t.numel() * t.element_size() for layer in state for t in layer.values())
+
+
+@dataclass
+class Hit:
+    """A cached state (a copy: the cache's own stays untouched) and how many leading tokens it has read."""
+
+    state: ModelState
+    logits: torch.Tensor  # (1, vocab): the scores after the last of those tokens
+    tokens: int
+
+
+def _key(ids: list[int]) -> bytes:
+    """Token ids as int32 bytes: a prefix of ids is then a prefix of the bytes, and compact to keep."""
+    return array("i", ids).tobytes()
+
+
+class PrefixCache:
+    def __init__(self, megabytes: float):
+        self.capacity = int(megabytes * 1e6)
+        self.entries: OrderedDict[bytes, tuple[ModelState, torch.Tensor, int]] = OrderedDict()
+        self.size = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def lookup(self, ids: list[int]) -> Hit | None:
+        """The state after the longest cached prefix of `ids`, or None."""
+        wanted = _key(ids)
+        best = max((key for key in self.entries if wanted.startswith(key)), key=len, default=None)
+        if best is None:
+            return None
+        self.entries.move_to_end(best)
+        state, logits, _ = self.entries[best]
+        return Hit(clone_state(state), logits.clone(), len(best) // 4)
+
+    def put(self, ids: list[int], state: ModelState, logits: torch.Tensor) -> None:
+        """Keep a copy of the state after `ids`, dropping the least recently used entries to fit."""
+        key = _key(ids)
+        size = state_bytes(state) + logits.numel() * logits.element_size() + len(key)
+        if size > self.capacity:
+            return
+        if key in self.entries:
+            self.size -= self.entries.pop(key)[2]
+        while self.size + size > self.capacity:
+            self.size -= self.entries.popitem(last=False)[1][2]
+        self.entries[key] = (clone_state(state), logits.clone(), size)
+        self.size += size

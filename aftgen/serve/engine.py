@@ -1,0 +1,375 @@
+"""Continuous batching: every generating sequence advances by one batched recurrent step per token.
+
+The engine runs in one thread of its own. Each turn of its loop it takes new requests in (as rows
+free up), reads up to `prompt_chunk` prompt tokens in the parallel form (so a long prompt is read
+in pieces between steps instead of stalling everyone), then steps the whole batch once and hands
+each sequence its token. A finished, cancelled (client gone) or timed-out sequence leaves the batch
+in the same turn, and its row is free for the next request.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from aftgen.device import Placement
+from aftgen.errors import AftgenError
+from aftgen.model import AFTLM, ModelState, tokens_read
+from aftgen.sampling import MAX_REPEAT_LAST_N, Context, TextStream, choose, new_generator
+from aftgen.serve.batch import Batch
+from aftgen.serve.cache import PrefixCache, state_bytes
+from aftgen.serve.options import ServeOptions
+from aftgen.serve.sessions import SessionStore
+from aftgen.serve.work import Done, Event, Failed, Finished, Started, Text, Ticket, Work
+from aftgen.tokenizer import Tokenizer
+
+IDLE_WAIT = 0.5  # seconds the loop sleeps when there is nothing to do (new work wakes it at once)
+
+
+class Busy(Exception):
+    """Every row is taken and the queue is full."""
+
+
+@dataclass(eq=False)
+class Reader:
+    """A request reading its prompt, chunk by chunk, before it generates."""
+
+    ticket: Ticket
+    ids: list[int]  # the whole prompt as read into the state (BOS first unless it continues a session)
+    unread: int  # how many of ids, from the end, are still to read
+    state: ModelState | None
+    logits: torch.Tensor | None
+    cached: int = 0
+    context: Context | None = None  # the session's, when it continues one
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence generating in the batch."""
+
+    ticket: Ticket
+    index: int
+    stream: TextStream
+    prompt: list[int] = field(default_factory=list)  # kept to cache the conversation after a chat reply
+    parts: list[str] = field(default_factory=list)
+
+
+class Engine:
+    """The model's side of the server: requests in through `submit`, their events out through `publish`."""
+
+    def __init__(self, model: AFTLM, tokenizer: Tokenizer, options: ServeOptions, placement: Placement):
+        self.model, self.tokenizer, self.options, self.placement = model, tokenizer, options, placement
+        self.batch = Batch(model, options.parallel)  # its rows are the Rows generating, in step order
+        self.state_bytes = state_bytes(model.initial_state(1))
+        self.cache = PrefixCache(options.cache_mb) if options.cache_mb > 0 else None
+        self.sessions = SessionStore(model, tokenizer, options.sessions_dir, options.max_sessions)
+        self.busy_sessions: set[str] = set()
+        self.incoming: deque[Ticket] = deque()
+        self.waiting: deque[Ticket] = deque()
+        self.reading: deque[Reader] = deque()
+        self.lock, self.wake = threading.Lock(), threading.Event()
+        self.queued = 0  # submitted, not yet reading: what the queue limit counts
+        self.outbox: list[tuple[Ticket, Event]] = []
+        self.publish: Callable[[list[tuple[Ticket, Event]]], None] = lambda events: None
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+
+    # --- the HTTP side's calls (any thread) ---
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="aftgen-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.wake.set()
+        if self.thread is not None:
+            self.thread.join()
+
+    def submit(self, work: Work, inbox: object = None) -> Ticket:
+        """Queue a request whose events go to `inbox` (see `publish`); raises Busy when every row is taken
+        and the queue is full."""
+        with self.lock:
+            if self.queued >= self.options.queue + max(0, self.options.parallel - self.occupied()):
+                raise Busy
+            self.queued += 1
+            ticket = Ticket(work, time.monotonic() + self.options.timeout, inbox)
+            self.incoming.append(ticket)
+        self.wake.set()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """The client went away: stop its work and free its rows at the next turn (a no-op once it is done)."""
+        ticket.cancelled = True
+        self.wake.set()
+
+    def occupied(self) -> int:
+        """Rows generating or promised to requests reading their prompts."""
+        return len(self.batch) + sum(reader.ticket.work.n for reader in list(self.reading))
+
+    def stats(self) -> dict:
+        return {
+            "slots_total": self.options.parallel,
+            "slots_busy": self.occupied(),
+            "queued": self.queued,
+            "cache_entries": len(self.cache) if self.cache else 0,
+            "cache_mb": round(self.cache.size / 1e6, 3) if self.cache else 0.0,
+            "sessions_in_memory": len(self.sessions),
+            "state_bytes": self.state_bytes,
+        }
+
+    # --- the engine thread ---
+
+    def _run(self) -> None:
+        with self.placement.autocast():
+            while not self.stopping:
+                try:
+                    self.turn()
+                except Exception:  # a bug must not take the server down: fail what is running, go on
+                    traceback.print_exc(file=sys.stderr)
+                    self._fail_everything()
+                    self._flush()
+
+    @torch.inference_mode()
+    def turn(self) -> None:
+        """One turn of the loop: take requests in, read prompt chunks, step the batch, publish the events.
+
+        The engine's thread runs it over and over (tests drive it by hand, without the thread).
+        """
+        if not (self.batch.rows or self.reading or self.waiting or self.incoming):
+            self.wake.wait(IDLE_WAIT)
+        self.wake.clear()
+        with self.lock:
+            self.waiting.extend(self.incoming)
+            self.incoming.clear()
+        self._drop_stopped()
+        self._admit()
+        self._read()
+        self._step()
+        self._flush()
+
+    def _emit(self, ticket: Ticket, event: Event) -> None:
+        self.outbox.append((ticket, event))
+
+    def _flush(self) -> None:
+        if self.outbox:
+            events, self.outbox = self.outbox, []
+            self.publish(events)
+
+    def _dequeued(self, count: int = 1) -> None:
+        with self.lock:
+            self.queued -= count
+
+    def _fail_everything(self) -> None:
+        tickets = {row.ticket for row in self.batch.rows} | {reader.ticket for reader in self.reading}
+        for name in self.busy_sessions:  # their contexts may be half updated: the next request reloads them
+            self.sessions.forget(name)
+        waiting = list(self.waiting)
+        self._dequeued(len(waiting))
+        for ticket in tickets | set(waiting):
+            self._emit(ticket, Failed(500, "internal error in the generation loop (see the server's log)"))
+        self.batch.clear()
+        self.reading.clear()
+        self.waiting.clear()
+        self.busy_sessions.clear()
+
+    def _drop_stopped(self) -> None:
+        """Requests whose client left or whose time ran out give up their place, row or queue slot."""
+        now = time.monotonic()
+
+        def stopped(ticket: Ticket) -> bool:
+            if ticket.deadline < now and not ticket.cancelled:
+                limit = self.options.timeout
+                self._emit(ticket, Failed(504, f"the request took longer than this server's limit of {limit:g} s"))
+                ticket.cancelled = True
+            return ticket.cancelled
+
+        gone = [ticket for ticket in self.waiting if stopped(ticket)]
+        if gone:
+            self.waiting = deque(ticket for ticket in self.waiting if not ticket.cancelled)
+            self._dequeued(len(gone))
+        for reader in [reader for reader in self.reading if stopped(reader.ticket)]:
+            self.reading.remove(reader)
+            self.busy_sessions.discard(reader.ticket.work.session)
+        self._finish([row for row in self.batch.rows if stopped(row.ticket)])
+
+    def _admit(self) -> None:
+        """Start reading the prompts of queued requests, first come first served, while rows are free."""
+        while self.waiting and self.occupied() + self.waiting[0].work.n <= self.options.parallel:
+            ticket = self.waiting.popleft()
+            self._dequeued()
+            reader = self._reader(ticket)
+            if isinstance(reader, Failed):
+                self._emit(ticket, reader)
+            else:
+                self.reading.append(reader)
+
+    def _reader(self, ticket: Ticket) -> Reader | Failed:
+        """Where the request's prompt starts reading: a session's context, a cached prefix, or nothing."""
+        work, bos = ticket.work, self.tokenizer.bos_id
+        if work.session is None:
+            ids = [bos, *work.prompt]
+            hit = self.cache.lookup(ids) if self.cache else None
+            if hit is None:
+                return Reader(ticket, ids, len(ids), None, None)
+            return Reader(ticket, ids, len(ids) - hit.tokens, hit.state, hit.logits, cached=hit.tokens)
+        if work.session in self.busy_sessions:
+            message = f"session '{work.session}' is busy with another request; send the next one when it has finished"
+            return Failed(409, message, "invalid_request_error", "session_busy")
+        try:
+            context = self.sessions.get(work.session)
+        except AftgenError as exc:  # a damaged file, or one another model wrote
+            return Failed(400, f"session '{work.session}' cannot be continued: {exc}", "invalid_request_error")
+        if context is None:  # a new session starts like a fresh prompt
+            vocab = self.model.config.vocab_size
+            context = Context(self.model.initial_state(1), torch.zeros(1, vocab), new_generator(work.options.seed))
+            ids = [bos, *work.prompt]
+        else:
+            ids = list(work.prompt)
+            if work.options.seed is not None:
+                context.generator.manual_seed(work.options.seed)
+        self.busy_sessions.add(work.session)
+        return Reader(ticket, ids, len(ids), context.state, context.logits, context=context)
+
+    def _read(self) -> None:
+        """Read up to prompt_chunk prompt tokens, from the longest-waiting readers first."""
+        budget = self.options.prompt_chunk
+        while self.reading and budget > 0:
+            reader = self.reading[0]
+            start = len(reader.ids) - reader.unread
+            chunk = reader.ids[start : start + budget]
+            if chunk:
+                logits, reader.state = self.model.prefill(torch.tensor([chunk]), reader.state, last_only=True)
+                reader.logits, reader.unread = logits[:, -1].float(), reader.unread - len(chunk)
+                budget -= len(chunk)
+            if reader.unread == 0:
+                self.reading.popleft()
+                self._begin(reader)
+
+    def _begin(self, reader: Reader) -> None:
+        """The prompt is read: keep it in the cache, then start each choice generating."""
+        ticket, work = reader.ticket, reader.ticket.work
+        self._emit(ticket, Started(len(reader.ids), reader.cached))
+        if reader.context is not None:
+            contexts = [self._continued(reader)]
+        else:
+            if self.cache is not None and reader.cached < len(reader.ids):
+                self.cache.put(reader.ids, reader.state, reader.logits)
+            recent = torch.tensor([reader.ids[-MAX_REPEAT_LAST_N:]])
+            seeds = [None if work.options.seed is None else work.options.seed + i for i in range(work.n)]
+            contexts = [
+                Context(reader.state, reader.logits.clone(), new_generator(seed), recent.clone()) for seed in seeds
+            ]
+        ticket.unfinished = len(contexts)
+        joining = []
+        for index, context in enumerate(contexts):
+            stream = TextStream(self.tokenizer, context, work.options)
+            remember = work.reply_suffix is not None and reader.context is None
+            row = Row(ticket, index, stream, reader.ids if remember else [])
+            self._text(row, stream.begin())
+            if stream.done:  # max_tokens 0: only the prompt was wanted
+                self._end(row)
+            else:
+                joining.append((row, context.state, tokens_read(context.state)))
+        self.batch.add(joining)
+        for row, _, _ in joining:
+            row.stream.context.state = []  # the batch holds it now; a session gets it back when it ends
+
+    def _continued(self, reader: Reader) -> Context:
+        """A session's context after its new text, as aftgen.sampling.read_prompt leaves one."""
+        context = reader.context
+        context.state, context.logits = reader.state, reader.logits
+        if reader.ids:
+            context.remember(torch.tensor([reader.ids[-MAX_REPEAT_LAST_N:]]))
+            context.pending = b""  # a character left unfinished before this text is abandoned
+        return context
+
+    def _step(self) -> None:
+        """One batched step: every row's next token in, every row's logits out."""
+        rows = list(self.batch.rows)
+        if not rows:
+            return
+        tokens = self._choose(rows)
+        logits = self.batch.step(tokens)
+        for i, row in enumerate(rows):
+            self._text(row, row.stream.accept(tokens[i : i + 1], logits[i : i + 1]))
+        self._finish([row for row in rows if row.stream.done])
+
+    def _choose(self, rows: list[Row]) -> torch.Tensor:
+        """Every row's next token (B,). Rows that sample alike are drawn together, each from its own
+        generator (so each draws what it would alone); a repeat penalty reads a row's own history, so
+        those rows are drawn one by one."""
+        tokens: list[torch.Tensor | None] = [None] * len(rows)
+        alike: dict[tuple, list[int]] = {}
+        for i, row in enumerate(rows):
+            options = row.stream.options
+            if options.repeat_penalty == 1.0:
+                alike.setdefault((options.temperature, options.top_k, options.top_p, options.min_p), []).append(i)
+            else:
+                tokens[i] = row.stream.next_token()
+        for members in alike.values():
+            contexts = [rows[i].stream.context for i in members]
+            logits = torch.cat([context.logits for context in contexts])
+            no_history = torch.zeros(len(members), 0, dtype=torch.long)
+            options = rows[members[0]].stream.options
+            drawn = choose(logits, options, no_history, [context.generator for context in contexts])
+            for i, token in zip(members, drawn, strict=True):
+                tokens[i] = token.view(1)
+        return torch.cat(tokens)
+
+    def _text(self, row: Row, text: str) -> None:
+        if text:
+            self._emit(row.ticket, Text(row.index, text))
+            if row.prompt:
+                row.parts.append(text)
+
+    def _finish(self, rows: list[Row]) -> None:
+        """Take rows out of the batch (a session's state back into its context) and close them."""
+        for row in rows:
+            if row.ticket.work.session is not None:
+                row.stream.context.state = self.batch.state_of(row)[0]
+        self.batch.remove(rows)
+        for row in rows:
+            self._end(row)
+
+    def _end(self, row: Row) -> None:
+        """A sequence is over: its last text, its finish, its session kept, its conversation cached."""
+        ticket, stream, session = row.ticket, row.stream, row.ticket.work.session
+        if session is not None:
+            stream.end(final=False)  # an unfinished character waits in the context for the next request
+            self.sessions.put(session, stream.context)
+            self.busy_sessions.discard(session)
+        if ticket.cancelled:
+            return
+        if session is None:
+            self._text(row, stream.end(final=True))
+        self._emit(ticket, Finished(row.index, "stop" if stream.stopped else "length", stream.produced))
+        if row.prompt and self.cache is not None:
+            self._remember_reply(row)
+        ticket.unfinished -= 1
+        if ticket.unfinished == 0:
+            self._emit(ticket, Done())
+
+    def _remember_reply(self, row: Row) -> None:
+        """Cache the conversation as the client will send it next: the prompt, then the reply read as text.
+
+        The reply's own tokens need not be how the tokenizer spells its text, and a client sends text;
+        reading it now (a short parallel pass) means the next turn reads only its new message.
+        """
+        reply = "".join(row.parts) + row.ticket.work.reply_suffix
+        ids = row.prompt + self.tokenizer.encode(reply)
+        hit = self.cache.lookup(ids)
+        state, logits, start = (hit.state, hit.logits, hit.tokens) if hit else (None, None, 0)
+        for offset in range(start, len(ids), self.options.prompt_chunk):
+            chunk = torch.tensor([ids[offset : offset + self.options.prompt_chunk]])
+            logits, state = self.model.prefill(chunk, state, last_only=True)
+            logits = logits[:, -1].float()
+        if start < len(ids):
+            self.cache.put(ids, state, logits)

@@ -1,0 +1,82 @@
+"""What `aftgen serve` can be told, with its defaults and range checks in one place (the CLI reads them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from aftgen.errors import AftgenError
+
+STREAMS = (1, 8, 32)  # concurrent streams `aftgen bench serve` drives in turn
+
+
+@dataclass
+class ServeOptions:
+    model: str | None = None  # checkpoint folder or Hub id; None: the shipped model
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000  # 0: any free port (the one chosen is printed)
+    api_key: str | None = None  # when set, every /v1 route requires `Authorization: Bearer KEY`
+    parallel: int = 32  # sequences generating at once: rows of the batched step
+    queue: int = 64  # requests waiting for a free row; past that: 503
+    max_prompt_tokens: int = 8192  # per request
+    max_tokens: int = 1024  # the most a request may ask for, and what it gets if it does not say
+    max_body_bytes: int = 1 << 20  # request bodies past this: 413
+    timeout: float = 600.0  # seconds a request may take, waiting included; past that: 504
+    cache_mb: float = 64.0  # prefix-state cache (LRU); 0: off
+    sessions_dir: Path | None = None  # named sessions are saved here after every request (None: memory only)
+    max_sessions: int = 64  # named sessions held in memory (with a sessions_dir, the rest wait on disk)
+    prompt_chunk: int = 256  # prompt tokens read between two batched steps
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None  # torch's CPU threads; None: the physical cores but one (see torch_threads)
+
+    def torch_threads(self) -> int:
+        """`threads`, or every physical core but one: the HTTP side formats and sends every token of every
+        stream while the model steps, and torch's threads spinning on every core starve it (measured
+        with 32 streams on a busy 2-core machine: p99 inter-token latency 72 ms on one thread, 120 ms on two)."""
+        from aftgen.device import physical_cores
+
+        return self.threads if self.threads is not None else max(1, physical_cores() - 1)
+
+    def check(self) -> None:
+        """Refuse values outside their meaning, before the model is loaded."""
+        if not 0 <= self.port <= 65535:
+            raise AftgenError(f"--port must be between 0 and 65535, got {self.port}")
+        if not self.host:
+            raise AftgenError("--host must not be empty")
+        if self.api_key is not None and not self.api_key.strip():
+            raise AftgenError("--api-key must not be empty")
+        at_least = {
+            "--parallel": (self.parallel, 1),
+            "--queue": (self.queue, 0),
+            "--max-prompt-tokens": (self.max_prompt_tokens, 1),
+            "--max-tokens": (self.max_tokens, 1),
+            "--max-body-bytes": (self.max_body_bytes, 1024),
+            "--max-sessions": (self.max_sessions, 1),
+            "--prompt-chunk": (self.prompt_chunk, 1),
+        }
+        for name, (value, least) in at_least.items():
+            if value < least:
+                raise AftgenError(f"{name} must be >= {least}, got {value}")
+        if not self.timeout > 0:
+            raise AftgenError(f"--timeout must be positive, got {self.timeout}")
+        if not self.cache_mb >= 0:
+            raise AftgenError(f"--cache-mb must be >= 0 (0 turns the cache off), got {self.cache_mb}")
+        if self.sessions_dir is not None and self.sessions_dir.exists() and not self.sessions_dir.is_dir():
+            raise AftgenError(f"--sessions-dir {self.sessions_dir} is not a folder")
+
+
+@dataclass
+class BenchServeOptions:
+    model: str | None = None  # None: the shipped model
+    tokens: int = 256  # generated per stream
+    rounds: int = 3  # 1, 8 and 32 streams in turn, this many times; each figure is the best round's
+    threads: int | None = None  # the server's torch threads
+
+    def check(self) -> None:
+        if not 16 <= self.tokens <= 4096:
+            raise AftgenError(f"--tokens must be between 16 and 4096, got {self.tokens}")
+        if not 1 <= self.rounds <= 100:
+            raise AftgenError(f"--rounds must be between 1 and 100, got {self.rounds}")
+        if self.threads is not None and self.threads < 1:
+            raise AftgenError(f"--threads must be >= 1, got {self.threads}")

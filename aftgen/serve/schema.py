@@ -1,0 +1,235 @@
+"""OpenAI request bodies checked field by field and turned into the engine's Work.
+
+Every field is checked for type and range before any work starts; anything wrong, unknown or not
+supported is a 400 in OpenAI's error shape naming the field (`param`). Fields OpenAI defines that
+aftgen does not implement are accepted only at their neutral value (say, `logprobs: null`), so a
+client that sends its defaults works and one that relies on the feature hears about it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aftgen.sampling import MAX_REPEAT_LAST_N, SamplingOptions
+from aftgen.serve.conversation import REPLY_END, ROLES, chat_ids
+from aftgen.serve.options import ServeOptions
+from aftgen.serve.sessions import valid_name
+from aftgen.serve.work import Work
+from aftgen.tokenizer import Tokenizer
+
+MAX_STOPS, MAX_STOP_CHARS, MAX_MESSAGES = 4, 256, 4096
+SEED_LIMIT = 1 << 63
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Request:
+    """A checked request: the engine's work and how to answer it."""
+
+    work: Work
+    chat: bool
+    stream: bool = False
+    include_usage: bool = False
+
+
+def invalid(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def integer(low: int | None = None, high: int | None = None) -> Callable[[str, object], int]:
+    def check(name: str, value: object) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise invalid(name, f"'{name}' must be an integer, got {value!r}")
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise invalid(name, f"'{name}' must be between {low} and {high}, got {value}")
+        return value
+
+    return check
+
+
+def number(low: float, high: float, open_low: bool = False, open_high: bool = False) -> Callable[[str, object], float]:
+    def check(name: str, value: object) -> float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise invalid(name, f"'{name}' must be a number, got {value!r}")
+        if value < low or value > high or (open_low and value == low) or (open_high and value == high):
+            interval = f"{'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
+            raise invalid(name, f"'{name}' must be in {interval}, got {value}")
+        return float(value)
+
+    return check
+
+
+def boolean(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise invalid(name, f"'{name}' must be true or false, got {value!r}")
+    return value
+
+
+def text(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise invalid(name, f"'{name}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def stops(name: str, value: object) -> tuple[str, ...]:
+    strings = [value] if isinstance(value, str) else value
+    if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+        raise invalid(name, f"'{name}' must be a string or a list of strings")
+    if len(strings) > MAX_STOPS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in strings):
+        raise invalid(name, f"'{name}' takes up to {MAX_STOPS} non-empty strings of up to {MAX_STOP_CHARS} chars")
+    return tuple(strings)
+
+
+def session_name(name: str, value: object) -> str:
+    if not isinstance(value, str) or not valid_name(value):
+        raise invalid(name, f"'{name}' must be 1-64 letters, digits, '_', '.' or '-' (not starting with '.')")
+    return value
+
+
+def stream_options(name: str, value: object) -> bool:
+    """OpenAI's {"include_usage": bool}; returns include_usage."""
+    if not isinstance(value, dict) or set(value) - {"include_usage"}:
+        raise invalid(name, f"'{name}' must be an object with only 'include_usage'")
+    return boolean(f"{name}.include_usage", value.get("include_usage", False))
+
+
+# Defined by OpenAI, not implemented here: accepted at these values only.
+NEUTRAL = {
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "store": (False,),
+}
+IGNORED = ("user", "metadata", "service_tier", "parallel_tool_calls")  # no effect on what is generated
+
+
+def sampling_fields(options: ServeOptions) -> dict[str, Callable[[str, object], object]]:
+    """Fields both routes take, with the server's limits."""
+    return {
+        "model": text,
+        "max_tokens": integer(0, options.max_tokens),
+        "temperature": number(0, 2),
+        "top_p": number(0, 1, open_low=True),
+        "n": integer(1, options.parallel),
+        "stream": boolean,
+        "stream_options": stream_options,
+        "stop": stops,
+        "seed": integer(0, SEED_LIMIT - 1),
+        "top_k": integer(0, None),
+        "min_p": number(0, 1, open_high=True),
+        "repeat_penalty": number(0, 100, open_low=True),
+        "repeat_last_n": integer(0, MAX_REPEAT_LAST_N),
+        "session": session_name,
+    }
+
+
+def checked_fields(body: dict, fields: dict[str, Callable[[str, object], object]]) -> dict:
+    """Each known field's checked value (null counts as absent); unknown or unsupported fields refused."""
+    values = {}
+    for name, value in body.items():
+        if name in fields:
+            if value is not None:
+                values[name] = fields[name](name, value)
+        elif name in NEUTRAL:
+            if value is not None and not any(value == v and type(value) is type(v) for v in NEUTRAL[name]):
+                raise invalid(name, f"'{name}' is not supported by aftgen serve (only {NEUTRAL[name][0]!r} or null)")
+        elif name not in IGNORED:
+            raise invalid(name, f"Unrecognized request argument supplied: {name}")
+    return values
+
+
+def prompt_text(name: str, value: object) -> str:
+    """A completion's prompt: a string (or a list holding one: several prompts take several requests)."""
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, str):
+        raise invalid(name, f"'{name}' must be a string (one prompt per request; concurrent requests are batched)")
+    return value
+
+
+def content_text(name: str, value: object) -> str:
+    """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not all(_is_text_part(part) for part in value):
+        raise invalid(name, f"'{name}' must be a string or a list of text parts")
+    return "".join(part["text"] for part in value)
+
+
+def _is_text_part(part: object) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+def messages(name: str, value: object) -> list[tuple[str, str]]:
+    """Chat messages as (role, content) pairs."""
+    if not isinstance(value, list) or not value or len(value) > MAX_MESSAGES:
+        raise invalid(name, f"'{name}' must be a list of 1 to {MAX_MESSAGES} messages")
+    pairs = []
+    for i, message in enumerate(value):
+        where = f"{name}[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(where, f"'{where}' must be an object with 'role' and 'content'")
+        unknown = sorted(set(message) - {"role", "content", "name"})
+        if unknown:
+            raise invalid(f"{where}.{unknown[0]}", f"Unrecognized argument in '{where}': {unknown[0]}")
+        if message.get("role") not in ROLES:
+            raise invalid(f"{where}.role", f"'{where}.role' must be one of: {', '.join(ROLES)}")
+        pairs.append((message["role"], content_text(f"{where}.content", message.get("content"))))
+    return pairs
+
+
+def parse_request(body: dict, chat: bool, options: ServeOptions, tokenizer: Tokenizer, model_name: str) -> Request:
+    """Check a /v1/completions (chat=False) or /v1/chat/completions body; raises APIError."""
+    if chat:
+        fields = {"messages": messages, "max_completion_tokens": integer(0, options.max_tokens)}
+    else:
+        fields = {"prompt": prompt_text}
+    values = checked_fields(body, sampling_fields(options) | fields)
+    required = "messages" if chat else "prompt"
+    if required not in values:
+        raise invalid(required, f"'{required}' is required")
+    if values.get("model", model_name) != model_name:
+        message = f"The model '{values['model']}' does not exist; this server serves '{model_name}'"
+        raise APIError(404, message, param="model", code="model_not_found")
+    if "stream_options" in values and not values.get("stream"):
+        raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    if "max_tokens" in values and "max_completion_tokens" in values:
+        raise invalid("max_tokens", "give 'max_tokens' or 'max_completion_tokens', not both")
+    if values.get("session") is not None and values.get("n", 1) > 1:
+        raise invalid("n", "a session continues one conversation: 'n' must be 1 with 'session'")
+    ids = chat_ids(tokenizer, values["messages"]) if chat else tokenizer.encode(values["prompt"])
+    if len(ids) + 1 > options.max_prompt_tokens:  # + BOS
+        message = f"the prompt is {len(ids) + 1} tokens, more than this server's limit of {options.max_prompt_tokens}"
+        raise APIError(400, message, param=required, code="context_length_exceeded")
+    sampling = SamplingOptions(
+        max_new_tokens=values.get("max_tokens", values.get("max_completion_tokens", options.max_tokens)),
+        temperature=values.get("temperature", 1.0),  # OpenAI's default
+        **{
+            name: values[name]
+            for name in ("top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed")
+            if name in values
+        },
+        stop=values.get("stop", (REPLY_END,) if chat else ()),
+    )
+    work = Work(ids, sampling, values.get("n", 1), values.get("session"), REPLY_END if chat else None)
+    return Request(work, chat, values.get("stream", False), values.get("stream_options", False))

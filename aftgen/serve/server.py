@@ -1,0 +1,76 @@
+"""Start `aftgen serve`: load the model, build the engine and the app, and run them under uvicorn."""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import socket
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aftgen.device import Placement
+from aftgen.errors import AftgenError
+from aftgen.serve.options import ServeOptions
+
+if TYPE_CHECKING:
+    import uvicorn
+
+INSTALL_HINT = "pip install 'aftgen[serve]'"
+
+
+def require_serve_extra() -> None:
+    """Refuse, in one line, to go on without the serve extra's packages."""
+    missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise AftgenError(f"aftgen serve needs {' and '.join(missing)}, which are not installed: {INSTALL_HINT}")
+
+
+def model_name(model: str | None) -> str:
+    """What /v1/models calls the model: the shipped one's name, a folder's name, or the Hub id as given."""
+    from aftgen.api import DEFAULT_MODEL
+
+    if model is None:
+        return DEFAULT_MODEL
+    return Path(model).name if Path(model).is_dir() else model
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket (port 0: any free one), IPv4 or IPv6 as the host is written."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise AftgenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def prepare(options: ServeOptions, placement: Placement) -> tuple[uvicorn.Server, socket.socket, str]:
+    """Everything but the serving: (uvicorn server, its socket, the base URL). `server.run(sockets=[sock])` serves."""
+    require_serve_extra()
+    import uvicorn
+
+    from aftgen.api import load
+    from aftgen.serve.app import Server
+    from aftgen.serve.engine import Engine
+
+    model, tokenizer = load(options.model, placement.device)
+    if model.config.mixer == "attention":
+        raise AftgenError("aftgen serve batches fixed-size AFT states; an attention model's KV cache cannot be batched")
+    model.eval()
+    engine = Engine(model, tokenizer, options, placement)
+    app = Server(engine, model_name(options.model)).app()
+    sock = listening_socket(options.host, options.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    return uvicorn.Server(config), sock, url
+
+
+def serve(options: ServeOptions, placement: Placement) -> None:
+    """Serve until Ctrl-C (or SIGTERM), printing where on stderr."""
+    server, sock, url = prepare(options, placement)
+    if options.api_key is None and not ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
+        print("warning: listening beyond this machine without --api-key: anyone who can reach it can use the model",
+              file=sys.stderr)  # fmt: skip
+    print(f"aftgen serve: {model_name(options.model)} at {url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])

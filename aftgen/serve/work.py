@@ -1,0 +1,72 @@
+"""What passes between the HTTP side and the engine: a request's work, its ticket, and the events it yields.
+
+The engine runs in its own thread; it never touches HTTP. It reports each request's progress as
+events, and the HTTP side turns them into OpenAI's JSON or server-sent events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aftgen.sampling import SamplingOptions
+
+
+@dataclass
+class Work:
+    """One request as the engine runs it."""
+
+    prompt: list[int]  # token ids to read (the engine puts BOS before a fresh prompt)
+    options: SamplingOptions  # max_new_tokens, sampling, seed, stop
+    n: int = 1  # continuations of the prompt (choice i draws from seed + i when seeded)
+    session: str | None = None  # a named session: the prompt continues its context, which is kept after
+    reply_suffix: str | None = None  # chat: keep the state after `prompt + reply + suffix` in the prefix cache
+
+
+@dataclass
+class Started:
+    """The prompt is read and generation begins."""
+
+    prompt_tokens: int
+    cached_tokens: int  # of prompt_tokens, those the prefix cache had already read
+
+
+@dataclass
+class Text:
+    index: int  # which choice
+    text: str
+
+
+@dataclass
+class Finished:
+    index: int
+    reason: str  # "stop" (a stop string) or "length" (max_tokens)
+    tokens: int  # generated for this choice
+
+
+@dataclass
+class Failed:
+    """The request ends with an error (before or during generation)."""
+
+    status: int
+    message: str
+    kind: str = "server_error"
+    code: str | None = None
+
+
+@dataclass
+class Done:
+    """Every choice has finished."""
+
+
+Event = Started | Text | Finished | Failed | Done
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A submitted request: the engine's handle on it, and where its events go (`inbox`, set by the HTTP side)."""
+
+    work: Work
+    deadline: float
+    inbox: object = None
+    cancelled: bool = False
+    unfinished: int = 0  # choices still generating

@@ -1,0 +1,446 @@
+"""`aftgen serve`: a real server on 127.0.0.1 (in-process uvicorn, ephemeral port) and a tiny model,
+talked to with the official openai client and with plain HTTP for the error cases."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from aftgen.api import load
+from aftgen.bench.serve import StreamTiming, bench_serve, best_of, phase_figures
+from aftgen.cli import app
+from aftgen.device import resolve
+from aftgen.model import AFTLM, AFTConfig, clone_state
+from aftgen.sampling import SamplingOptions, exponential_race, generate, read_prompt
+from aftgen.serve.batch import Batch
+from aftgen.serve.engine import Engine
+from aftgen.serve.options import BenchServeOptions, ServeOptions
+from aftgen.serve.server import prepare
+from aftgen.serve.work import Done, Text, Work
+from aftgen.state import load_state
+
+KEY = "test-key"
+LONG = 20_000  # tokens: a stream that outlasts anything a test waits for (it is closed before the end)
+LIMITS = dict(max_tokens=LONG, max_prompt_tokens=300, max_body_bytes=4096, parallel=16, queue=4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny models on a shared 2-core machine run fastest on one thread (the server's engine thread too)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def running(model_dir, **changes) -> Iterator[str]:
+    """A server for `model_dir` on a free loopback port, in this process; yields its base URL."""
+    options = ServeOptions(**dict(model=str(model_dir), port=0, api_key=KEY, cache_mb=16) | LIMITS | changes)
+    server, sock, url = prepare(options, resolve("cpu", "fp32"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+    assert server.started, "the server did not start"
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def url(tiny_run) -> Iterator[str]:
+    with running(tiny_run) as base:
+        yield base
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def post(url: str, path: str, key: str | None = KEY, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{url}{path}", headers=headers, timeout=60, **kwargs)
+
+
+def health(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=10).json()
+
+
+def busy_slots(url: str) -> int:
+    return health(url)["slots_busy"]
+
+
+def wait_for(condition, tries: int = 500) -> None:
+    """Poll (bounded: 10 s) until the server reaches a state; fail if it never does."""
+    for _ in range(tries):
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError("the server never got there")
+
+
+def library_text(model_dir, prompt: str, **options) -> str:
+    """What `aftgen sample` prints for the same prompt and options (without the echoed prompt)."""
+    model, tokenizer = load(model_dir)
+    context = read_prompt(model, tokenizer, prompt, seed=options.get("seed"))
+    return "".join(generate(model, tokenizer, context, SamplingOptions(**options)))
+
+
+@pytest.mark.parametrize("mixer", ["aft_local", "aft_simple"])
+def test_batched_step_matches_each_sequence_alone(mixer):
+    """Rows at different positions join and leave; each row's logits stay within 1e-4 of its own
+    batch-1 step (so greedy picks agree), and a row that leaves has its own state and position back."""
+    torch.manual_seed(0)
+    config = AFTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=4, window=5, context_length=16, mixer=mixer)
+    model = AFTLM(config).eval()
+    with torch.inference_mode():
+        positions = [3, 8, 13, 1, 6]
+        alone = [model.prefill(torch.randint(0, 64, (1, n)), last_only=True)[1] for n in positions]
+        batch = Batch(model, capacity=4)
+        batch.add([(i, clone_state(alone[i]), positions[i]) for i in (0, 1, 2)])
+        joins = {5: 3, 11: 4}
+        for t in range(24):
+            if t in (11, 17):  # a middle row leaves (the last one fills its place)
+                leaving = batch.rows[1]
+                state, position = batch.state_of(leaving)
+                batch.remove([leaving])
+                assert position == positions[leaving]
+                for mine, theirs in zip(state, alone[leaving], strict=True):
+                    for name in mine:
+                        torch.testing.assert_close(mine[name], theirs[name], rtol=1e-5, atol=1e-4)
+            if t in joins:
+                batch.add([(joins[t], clone_state(alone[joins[t]]), positions[joins[t]])])
+            tokens = torch.randint(0, 64, (len(batch),))
+            logits = batch.step(tokens)
+            for r, i in enumerate(batch.rows):
+                own, _ = model.step(tokens[r : r + 1], alone[i])
+                positions[i] += 1
+                assert (own - logits[r : r + 1]).abs().max() < 1e-4
+                assert own.argmax() == logits[r].argmax()
+
+
+def test_exponential_race_draws_what_multinomial_draws():
+    """Sampling a batch, each row from its own generator, draws what torch.multinomial draws for each alone."""
+    probs = torch.randn(64, 300, generator=torch.Generator().manual_seed(0)).mul(3).softmax(-1)
+    alone = [torch.Generator().manual_seed(seed) for seed in range(64)]
+    together = [torch.Generator().manual_seed(seed) for seed in range(64)]
+    for _ in range(3):
+        singles = [int(torch.multinomial(row[None], 1, generator=g)) for row, g in zip(probs, alone, strict=True)]
+        assert exponential_race(probs, together).tolist() == singles
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(alone, together, strict=True))
+
+
+def test_completions_and_chat_through_the_openai_client(url, tiny_run):
+    api = client(url)
+    assert [m.id for m in api.models.list().data] == [tiny_run.name]
+    whole = api.completions.create(model=tiny_run.name, prompt="KING:", max_tokens=30, seed=7, temperature=0.8)
+    assert whole.choices[0].text == library_text(tiny_run, "KING:", max_new_tokens=30, seed=7, temperature=0.8)
+    assert whole.choices[0].finish_reason == "length"
+    usage, tokenizer = whole.usage, load(tiny_run)[1]
+    assert usage.prompt_tokens == 1 + len(tokenizer.encode("KING:"))  # BOS, then the prompt
+    assert (usage.completion_tokens, usage.total_tokens) == (30, usage.prompt_tokens + 30)
+    chunks = list(
+        api.completions.create(model=tiny_run.name, prompt="KING:", max_tokens=30, seed=7, temperature=0.8, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    several = api.completions.create(model=tiny_run.name, prompt="KING:", max_tokens=30, seed=7, temperature=0.8, n=3)
+    assert [c.index for c in several.choices] == [0, 1, 2]
+    assert several.choices[0].text == whole.choices[0].text and several.usage.completion_tokens == 90
+
+    llama_cpp_fields = dict(top_k=5, min_p=0.05, repeat_penalty=1.3, repeat_last_n=16)
+    tuned = api.completions.create(
+        model=tiny_run.name, prompt="KING:", max_tokens=30, seed=3, extra_body=llama_cpp_fields
+    )
+    assert tuned.choices[0].text == library_text(tiny_run, "KING:", max_new_tokens=30, seed=3, temperature=1.0,
+                                                 **llama_cpp_fields)  # fmt: skip
+
+    greedy = api.completions.create(model=tiny_run.name, prompt="KING:", max_tokens=60, temperature=0)
+    stop = greedy.choices[0].text[20:23]
+    stopped = api.completions.create(model=tiny_run.name, prompt="KING:", max_tokens=60, temperature=0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == greedy.choices[0].text[: greedy.choices[0].text.index(stop)]
+
+    messages = [{"role": "user", "content": "KING:"}]
+    chat = api.chat.completions.create(model=tiny_run.name, messages=messages, max_tokens=40, seed=1)
+    as_aftgen_chat = library_text(tiny_run, "KING:\n", max_new_tokens=40, seed=1, temperature=1.0, stop=("\n\n",))
+    assert chat.choices[0].message.content == as_aftgen_chat
+    streamed = list(
+        api.chat.completions.create(
+            model=tiny_run.name,
+            messages=messages,
+            max_tokens=40,
+            seed=1,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert streamed[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert content == chat.choices[0].message.content and "\n\n" not in content  # the default stop: a blank line
+    assert streamed[-1].usage.completion_tokens == chat.usage.completion_tokens > 0
+
+
+class Stream:
+    """A streaming completion left open; read it line by line, end it with close() (the client going away)."""
+
+    def __init__(self, http: httpx.Client, url: str, prompt: str, max_tokens: int, **fields):
+        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, **fields}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        self.response = http.send(
+            http.build_request("POST", f"{url}/v1/completions", json=body, headers=headers), stream=True
+        )
+        assert self.response.status_code == 200, self.response.read()
+        self.lines = self.response.iter_lines()  # kept: dropping the iterator would close the connection
+
+    def texts(self, count: int | None = None) -> list[str]:
+        """The next `count` chunks' texts (None: all the rest)."""
+        found = []
+        for line in self.lines:
+            if line.startswith("data: {"):
+                found.append(json.loads(line[6:])["choices"][0]["text"])
+                if len(found) == count:
+                    break
+        return found
+
+    def close(self) -> None:
+        self.response.close()
+
+
+def test_seeded_request_gives_the_same_text_alone_and_among_eight_others(url, tiny_run):
+    """Four others are generating when it starts and four more join while it runs: the same text, sampled
+    and greedy. Everything in the batch asks for more tokens than the test reads, so all nine share it."""
+    api, model = client(url), tiny_run.name
+    asks = [dict(seed=11, temperature=0.9), dict(temperature=0)]
+    alone = [
+        api.completions.create(model=model, prompt="NURSE:", max_tokens=100, **ask).choices[0].text for ask in asks
+    ]
+    for ask, text in zip(asks, alone, strict=True):
+        with httpx.Client(timeout=60) as http:
+            others = [
+                Stream(http, url, "JULIET: " * (i + 1), LONG, **ask | {"seed": i}) for i in range(4)
+            ]  # drawn alike
+            for stream in others:
+                stream.texts(1)
+            mine = Stream(http, url, "NURSE:", LONG, **ask)
+            pieces = mine.texts(1)
+            others += [Stream(http, url, "ROMEO:\n" * (i + 1), LONG, temperature=0.5) for i in range(4)]
+            assert busy_slots(url) == 9  # all nine in the batch at once
+            while len("".join(pieces)) < len(text) + 8:
+                more = mine.texts(1)
+                assert more, "the stream ended early"
+                pieces += more
+            for stream in [mine, *others]:
+                stream.close()
+        assert "".join(pieces).startswith(text)
+
+
+def test_second_chat_turn_reads_only_its_new_tokens(url, tiny_run):
+    api, tokenizer = client(url), load(tiny_run)[1]
+    history = [{"role": "user", "content": "KING: speak, my lord"}]
+    first = api.chat.completions.create(messages=history, model=tiny_run.name, max_tokens=30, seed=2)
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "QUEEN: and what then?"},
+    ]
+    second = api.chat.completions.create(messages=history, model=tiny_run.name, max_tokens=30, seed=5)
+    new_tokens = len(tokenizer.encode("QUEEN: and what then?\n"))
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - new_tokens
+    with running(tiny_run, cache_mb=0) as fresh_url:
+        fresh = client(fresh_url).chat.completions.create(messages=history, model=tiny_run.name, max_tokens=30, seed=5)
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert fresh.usage.prompt_tokens == second.usage.prompt_tokens
+    assert fresh.choices[0].message.content == second.choices[0].message.content
+
+
+def test_a_long_prompt_is_read_in_chunks_between_the_others_steps(tiny_run):
+    """Driven turn by turn: while a 200-token prompt is read 16 tokens a turn, the running request
+    gets a token every turn, and what the prompt then generates matches `aftgen sample`."""
+    model, tokenizer = load(tiny_run)
+    engine = Engine(model, tokenizer, ServeOptions(prompt_chunk=16, cache_mb=0), resolve("cpu", "fp32"))
+    events: list = []
+    engine.publish = events.extend
+    running_one = engine.submit(Work(tokenizer.encode("KING:"), SamplingOptions(max_new_tokens=LONG, temperature=0)))
+    engine.turn()
+    prompt = " ".join(["the king and the queen"] * 60)
+    ids = tokenizer.encode(prompt)
+    assert len(ids) >= 160
+    long_one = engine.submit(Work(ids, SamplingOptions(max_new_tokens=20, seed=4, temperature=1.0)))
+    turns, published = 0, []
+    while long_one not in published and turns < 100:
+        before = len(events)
+        engine.turn()
+        turns += 1
+        published = [ticket for ticket, _ in events[before:]]
+        assert published.count(running_one) == 1  # a token every turn
+    assert turns == -(-(len(ids) + 1) // 16)  # BOS and the prompt, 16 tokens a turn
+    while not any(isinstance(event, Done) for ticket, event in events if ticket is long_one):
+        engine.turn()
+    text = "".join(event.text for ticket, event in events if ticket is long_one and isinstance(event, Text))
+    assert text == library_text(tiny_run, prompt, max_new_tokens=20, seed=4, temperature=1.0)
+
+
+def test_queued_requests_wait_and_a_disconnect_frees_the_slot_at_once(tiny_run):
+    with running(tiny_run, parallel=1, queue=1) as url, httpx.Client(timeout=60) as http:
+        stream = Stream(http, url, "KING:", LONG)
+        stream.texts(1)
+        waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
+            post, url, "/v1/completions", json={"prompt": "x", "max_tokens": 2}
+        )
+        wait_for(lambda: health(url)["queued"] == 1)
+        refused = post(url, "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        assert refused.json()["error"]["code"] == "server_overloaded"
+        stream.close()  # the client goes away: the queued request gets the row
+        assert waiting.result().json()["usage"]["completion_tokens"] == 2
+        with socket.create_connection(urllib.parse.urlsplit(url)[1].split(":")) as raw:  # not streaming this time
+            body = json.dumps({"prompt": "KING:", "max_tokens": LONG}).encode()
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            raw.sendall(f"{head}Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            wait_for(lambda: health(url)["slots_busy"] == 1)
+        wait_for(lambda: health(url)["slots_busy"] == 0)
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    return error
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": LONG + 1}, "max_tokens"),
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"seed": -1}, "seed"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 1}, "min_p"),
+        ({"repeat_penalty": 0}, "repeat_penalty"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"session": "../etc"}, "session"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"prompt": "KING " * 400}, "prompt"),
+    ],
+)
+def test_bad_fields_get_400_in_openai_shape(url, fields, param):
+    assert_openai_error(post(url, "/v1/completions", json={"prompt": "x"} | fields), 400, param)
+
+
+def test_errors_get_their_status_in_openai_shape(url):
+    assert_openai_error(post(url, "/v1/completions", content=b'{"prompt": "x",'), 400)
+    assert_openai_error(post(url, "/v1/completions", json=["x"]), 400)
+    assert_openai_error(post(url, "/v1/completions", content=b"[" * 4000), 400)
+    assert_openai_error(post(url, "/v1/completions", content=b'{"prompt": "\xff"}'), 400)
+    assert_openai_error(post(url, "/v1/completions", json={"max_tokens": 3}), 400, "prompt")
+    assert_openai_error(post(url, "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}), 400,
+                        "messages[0].role")  # fmt: skip
+    assert_openai_error(post(url, "/v1/completions", key=None, json={"prompt": "x"}), 401)
+    wrong = assert_openai_error(post(url, "/v1/completions", key="nope", json={"prompt": "x"}), 401)
+    assert wrong["code"] == "invalid_api_key"
+    assert_openai_error(httpx.get(f"{url}/v1/models"), 401)
+    assert_openai_error(post(url, "/v1/completions", content=b"x" * 5000), 413)
+    assert_openai_error(post(url, "/v1/completions", json={"prompt": "x", "model": "gpt-9"}), 404, "model")
+    assert_openai_error(post(url, "/v1/nothing", json={}), 404)
+    assert_openai_error(httpx.get(f"{url}/v1/completions"), 405)
+    with pytest.raises(openai.BadRequestError) as raised:  # the official client reads the shape
+        client(url).completions.create(model="x", prompt="x", temperature=9)
+    assert "temperature" in str(raised.value)
+
+
+def test_a_request_past_its_time_gets_504(tiny_run):
+    with running(tiny_run, timeout=0.05) as url:
+        error = assert_openai_error(post(url, "/v1/completions", json={"prompt": "x", "max_tokens": LONG}), 504)
+        assert "0.05 s" in error["message"]
+        assert busy_slots(url) == 0
+
+
+def test_named_session_continues_after_a_restart_as_if_never_stopped(tiny_run, tmp_path):
+    def turn(url: str, session: str, prompt: str, **fields) -> str:
+        reply = post(url, "/v1/completions", json={"prompt": prompt, "max_tokens": 25, "session": session} | fields)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"]
+
+    with running(tiny_run, sessions_dir=tmp_path) as url:
+        first = turn(url, "alice", "KING:", seed=3)
+        http = httpx.Client(timeout=60)
+        held = Stream(http, url, "x", LONG, session="carol")
+        held.texts(1)
+        busy = assert_openai_error(post(url, "/v1/completions", json={"prompt": "y", "session": "carol"}), 409)
+        assert busy["code"] == "session_busy"
+        held.close()
+        http.close()
+    with running(tiny_run, sessions_dir=tmp_path) as url:  # restarted
+        assert turn(url, "bob", "KING:", seed=3) == first
+        after_restart = turn(url, "alice", " and")
+        assert turn(url, "bob", " and") == after_restart  # bob never stopped
+    model, tokenizer = load(tiny_run)  # the file is an `aftgen sample --save-state` file
+    context = read_prompt(model, tokenizer, " and", load_state(tmp_path / "alice.safetensors", model, tokenizer))
+    assert "".join(generate(model, tokenizer, context, SamplingOptions(max_new_tokens=25, temperature=1.0))) != ""
+
+
+def test_serve_refuses_bad_options_and_a_missing_extra_in_one_line(monkeypatch):
+    result = CliRunner().invoke(app, ["serve", "--parallel", "0"])
+    assert result.exit_code == 2 and "error: --parallel must be >= 1" in result.output
+    real = __import__("importlib").util.find_spec
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    result = CliRunner().invoke(app, ["serve"])
+    assert result.exit_code == 2 and "pip install 'aftgen[serve]'" in result.output
+
+
+def test_bench_serve_figures():
+    """Each phase's figures from the clients' timings: pooled gaps, first-chunk delays, tokens over wall time."""
+    timings = [StreamTiming(sent=0.0, arrivals=[0.1, 0.2, 0.4], tokens=3, ended=0.5),
+               StreamTiming(sent=0.5, arrivals=[0.6, 0.7], tokens=2, ended=1.0)]  # fmt: skip
+    figures = phase_figures(timings)
+    assert figures["tokens_per_s"] == pytest.approx(5 / 1.0)
+    assert figures["itl_p50_ms"] == pytest.approx(100) and figures["itl_p99_ms"] == pytest.approx(200)
+    assert figures["ttft_p50_ms"] == pytest.approx(100) and figures["ttft_max_ms"] == pytest.approx(100)
+    later = figures | {"tokens_per_s": 4.0, "itl_p99_ms": 150.0, "rss_mb": 9.0, "peak_rss_mb": 9.0}
+    best = best_of([figures | {"rss_mb": 1.0, "peak_rss_mb": 2.0}, later])
+    assert (best["tokens_per_s"], best["itl_p99_ms"], best["peak_rss_mb"]) == (5.0, 150.0, 2.0)
+
+
+def test_bench_serve_runs_a_server_and_reports_against_the_targets(tiny_run):
+    rows = bench_serve(BenchServeOptions(model=str(tiny_run), tokens=16, rounds=2, threads=1), log=lambda line: None)
+    throughput = {row["streams"]: row["value"] for row in rows if row["measure"] == "aggregate throughput"}
+    assert set(throughput) == {1, 8, 32} and all(value > 0 for value in throughput.values())
+    targets = [row for row in rows if "target" in row]
+    assert len(targets) == 3 and all(isinstance(row["ok"], bool) and row["value"] == row["value"] for row in targets)
+
+
+def test_a_failing_step_fails_its_requests_with_500_and_the_server_goes_on(url, monkeypatch):
+    def broken(self, tokens):
+        raise RuntimeError("simulated failure")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Batch, "step", broken)
+        error = assert_openai_error(post(url, "/v1/completions", json={"prompt": "x", "max_tokens": 5}), 500)
+        assert error["type"] == "server_error"
+    assert post(url, "/v1/completions", json={"prompt": "x", "max_tokens": 5}).json()["usage"]["completion_tokens"] == 5
+    assert busy_slots(url) == 0
