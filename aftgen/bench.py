@@ -439,11 +439,12 @@ def bench_quality(corpus: Path, seconds: float, mixers: tuple[str, ...], log=pri
     import tempfile
 
     from aftgen.checkpoint import load_checkpoint
-    from aftgen.data import read_text, split_text
-    from aftgen.evaluate import evaluate_text, stream_nll
+    from aftgen.corpus import prepare_corpus
+    from aftgen.evaluate import evaluate_ids, stream_nll
     from aftgen.training import TrainOptions, train
 
-    _, held_out = split_text(read_text(corpus))
+    data = prepare_corpus([corpus], TrainOptions(corpus=corpus).corpus_options(), log=lambda _: None)
+    ids = data.held_out_ids.long()
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="aftgen-bench-") as folder:
         for mixer in mixers:
@@ -457,7 +458,9 @@ def bench_quality(corpus: Path, seconds: float, mixers: tuple[str, ...], log=pri
                 eval_interval=10**9,
             )
             model, tokenizer = load_checkpoint(train(options, quiet=True))
-            result = evaluate_text(model, tokenizer, held_out, reset_every=model.config.context_length)
+            result = evaluate_ids(
+                model, ids, data.held_out_chars, data.held_out_bytes, reset_every=model.config.context_length
+            )
             where = {
                 "mixer": mixer,
                 "train_seconds": seconds,
@@ -468,7 +471,6 @@ def bench_quality(corpus: Path, seconds: float, mixers: tuple[str, ...], log=pri
             log(f"  {mixer}: {result.nats_per_char:.4f} nats/char ({result.bits_per_char:.4f} bits/char)")
             if mixer != "aft_local":
                 continue
-            ids = torch.tensor([tokenizer.bos_id, *tokenizer.encode(held_out)])
             nll = stream_nll(model, ids)
             for low, high in POSITION_BINS:
                 if low >= len(nll):

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from aftgen.corpus.sources import DEFAULT_GLOB
+from aftgen.corpus.split import DEFAULT_HELD_OUT
 from aftgen.errors import AftgenError
 
 if TYPE_CHECKING:
@@ -49,6 +51,32 @@ ThreadsOption = Annotated[
     typer.Option(
         help="CPU threads (default: the physical cores, shared among torchrun's processes).",
         rich_help_panel=HARDWARE_PANEL,
+    ),
+]
+
+# Options for reading a corpus, shared by `train` and `prepare` (aftgen/corpus/ documents them).
+CorpusArgument = Annotated[list[Path], typer.Argument(help="Text files, or folders of them (each file a document).")]
+VocabSizeOption = Annotated[int, typer.Option(rich_help_panel=DATA_PANEL)]
+TokenizerTypeOption = Annotated[str, typer.Option(help="bpe | unigram | char.", rich_help_panel=DATA_PANEL)]
+EncodingOption = Annotated[str, typer.Option(help="Text encoding of the corpus.", rich_help_panel=DATA_PANEL)]
+ErrorsOption = Annotated[
+    str, typer.Option(help="strict | replace | ignore undecodable bytes.", rich_help_panel=DATA_PANEL)
+]
+GlobOption = Annotated[str, typer.Option(help="Which files in folders to read.", rich_help_panel=DATA_PANEL)]
+HeldOutOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="CHARS",
+        help="Hold out at most this many characters, e.g. 500k, 2M (default "
+        f"{DEFAULT_HELD_OUT:,}): one file's last 10%, or whole documents making about 10% of several.",
+        rich_help_panel=DATA_PANEL,
+    ),
+]
+SkipBadFilesOption = Annotated[
+    bool,
+    typer.Option(
+        help="Skip binary, unreadable or undecodable files (with a warning) instead of stopping.",
+        rich_help_panel=DATA_PANEL,
     ),
 ]
 
@@ -113,7 +141,7 @@ def _placement(device: str, dtype: str, threads: int | None):
 @app.command()
 @command
 def train(
-    corpus: Annotated[Path, typer.Argument(help="UTF-8 text file to learn from.")],
+    corpus: CorpusArgument,
     out: Annotated[Path | None, typer.Option(help="Run folder (default runs/<corpus-stem>).")] = None,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out where it stopped.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace a run already in --out.")] = False,
@@ -167,12 +195,13 @@ def train(
         ),
     ] = "fp32",
     seed: Annotated[int, typer.Option(rich_help_panel=TRAIN_PANEL)] = 1337,
-    vocab_size: Annotated[int, typer.Option(rich_help_panel=DATA_PANEL)] = 1024,
-    tokenizer_type: Annotated[str, typer.Option(help="bpe | unigram | char.", rich_help_panel=DATA_PANEL)] = "bpe",
-    encoding: Annotated[str, typer.Option(help="Text encoding of the corpus.", rich_help_panel=DATA_PANEL)] = "utf-8",
-    errors: Annotated[
-        str, typer.Option(help="strict | replace | ignore undecodable bytes.", rich_help_panel=DATA_PANEL)
-    ] = "strict",
+    vocab_size: VocabSizeOption = 1024,
+    tokenizer_type: TokenizerTypeOption = "bpe",
+    encoding: EncodingOption = "utf-8",
+    errors: ErrorsOption = "strict",
+    glob: GlobOption = DEFAULT_GLOB,
+    held_out: HeldOutOption = None,
+    skip_bad_files: SkipBadFilesOption = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -186,9 +215,10 @@ def train(
     ] = False,
     threads: ThreadsOption = None,
 ) -> None:
-    """Train a tokenizer and a model on a text file; prints the run folder on stdout.
+    """Train a tokenizer and a model on text files and folders; prints the run folder on stdout.
 
-    The same command under `torchrun --nproc_per_node N -m aftgen train ...` trains on N processes.
+    Each file is a document. The same command under `torchrun --nproc_per_node N -m aftgen train ...` trains on
+    N processes.
     """
     from aftgen.training import TrainingInterrupted, TrainOptions, parse_duration
     from aftgen.training import train as run_training
@@ -199,8 +229,9 @@ def train(
         weight_decay=weight_decay, warmup_steps=warmup_steps, grad_clip=grad_clip, max_steps=max_steps,
         max_time=parse_duration(max_time) if max_time else None, eval_interval=eval_interval,
         eval_windows=eval_windows, keep_best=keep_best, weights_dtype=weights_dtype, seed=seed,
-        vocab_size=vocab_size, tokenizer_type=tokenizer_type, encoding=encoding, errors=errors,
-        resume=resume, overwrite=overwrite, device=device, dtype=dtype, compile=compile_model,
+        vocab_size=vocab_size, tokenizer_type=tokenizer_type, encoding=encoding, errors=errors, glob=glob,
+        held_out=_held_out(held_out), skip_bad_files=skip_bad_files, resume=resume, overwrite=overwrite,
+        device=device, dtype=dtype, compile=compile_model,
         command=shlex.join(["aftgen", *sys.argv[1:]]),
     )  # fmt: skip
     options.check()
@@ -214,6 +245,46 @@ def train(
         raise typer.Exit(130) from None
     if main_process:
         print(run)
+
+
+def _held_out(text: str | None) -> int:
+    from aftgen.corpus.split import parse_size
+
+    return parse_size(text) if text else DEFAULT_HELD_OUT
+
+
+@app.command()
+@command
+def prepare(
+    corpus: CorpusArgument,
+    vocab_size: VocabSizeOption = 1024,
+    tokenizer_type: TokenizerTypeOption = "bpe",
+    encoding: EncodingOption = "utf-8",
+    errors: ErrorsOption = "strict",
+    glob: GlobOption = DEFAULT_GLOB,
+    held_out: HeldOutOption = None,
+    skip_bad_files: SkipBadFilesOption = False,
+    threads: Annotated[int | None, typer.Option(help="Encoder threads (default: every core).")] = None,
+) -> None:
+    """Prepare a corpus ahead of training (tokenizer, held-out split, token files); prints the cache folder.
+
+    `aftgen train` with the same paths and data options then starts at once: before a torchrun job, for example.
+    """
+    from aftgen.corpus import CorpusOptions, prepare_corpus
+
+    options = CorpusOptions(
+        glob=glob, held_out=_held_out(held_out), skip_bad_files=skip_bad_files, encoding=encoding, errors=errors,
+        vocab_size=vocab_size, tokenizer_type=tokenizer_type, threads=threads,
+    )  # fmt: skip
+    prepared = prepare_corpus(corpus, options)
+    summary = prepared.summary
+    print(
+        f"{summary['documents']:,} documents ({summary['skipped']} skipped), {summary['chars']:,} characters: "
+        f"{summary['train_tokens']:,} training tokens, {summary['held_out_tokens']:,} held-out tokens "
+        f"({prepared.held_out['summary']}); vocabulary {prepared.tokenizer.vocab_size}",
+        file=sys.stderr,
+    )
+    print(prepared.folder)
 
 
 # Options shared by `sample` and `chat` (llama.cpp / transformers names and meanings).
@@ -328,7 +399,7 @@ def sample(
         raise AftgenError("--save-state keeps one continuation; use it with --num-samples 1")
     _require_file(load_state, "state file")
     if prompt_file is not None:
-        from aftgen.data import read_text
+        from aftgen.corpus import read_text
 
         prompt = read_text(prompt_file)
     elif prompt == "-":
@@ -382,7 +453,7 @@ def prime(
     """Read a text once into a state file that `sample`/`chat --load-state` start from."""
     import time
 
-    from aftgen.data import read_text
+    from aftgen.corpus import read_text
     from aftgen.model import compile_prefill as compiled
     from aftgen.sampling import PROMPT_CHUNK, read_prompt
     from aftgen.state import save_state as write_state
@@ -465,18 +536,18 @@ def evaluate(
     dtype: DtypeOption = "auto",
     threads: ThreadsOption = None,
 ) -> None:
-    """Held-out loss of a model on a file: nats/token, nats/char, bits/char, bits/byte."""
+    """Held-out loss of a model on a file of any size (read in chunks): nats/token, nats/char, bits/char, bits/byte."""
     from aftgen.api import load
-    from aftgen.data import read_text
-    from aftgen.evaluate import evaluate_text
+    from aftgen.corpus.sources import scan_file
+    from aftgen.evaluate import evaluate_file
 
     if reset_every < 0:
         raise AftgenError(f"--reset-every must be >= 0, got {reset_every}")
-    text = read_text(file, encoding, errors)
+    document = scan_file(file, encoding, errors)  # one clear error for anything that is not text, before loading
     placement = _placement(device, dtype, threads)
     lm, tokenizer = load(model, placement.device)
     with placement.autocast():
-        result = evaluate_text(lm, tokenizer, text, reset_every=reset_every)
+        result = evaluate_file(lm, tokenizer, document, encoding, errors, reset_every=reset_every)
     if as_json:
         print(json.dumps(result.to_dict()))
     else:
@@ -672,6 +743,22 @@ def bench_generate(
     print(f"bench generate: {lm.num_parameters():,} parameters, {torch_threads()} threads", file=sys.stderr)
     rows = measure(lm, log=lambda line: print(line, file=sys.stderr))
     print_rows(rows, as_json)
+
+
+@bench_app.command("data")
+@command
+def bench_data_command(
+    corpora: Annotated[list[Path], typer.Argument(help="Corpora (files or folders), each measured in turn.")],
+    steps: Annotated[int, typer.Option(help="Training steps to run on each prepared corpus.")] = 10,
+    as_json: AsJson = False,
+) -> None:
+    """Preparing and training on large corpora: preparation time, MB/s, peak memory, time to the first step."""
+    from aftgen.bench import print_rows
+    from aftgen.corpus.bench import bench_data
+
+    if steps < 1:
+        raise AftgenError(f"--steps must be >= 1, got {steps}")
+    print_rows(bench_data(corpora, steps, log=_progress), as_json)
 
 
 def torch_threads() -> int:

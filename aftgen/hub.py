@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from aftgen.checkpoint import CARD, CHECKPOINT_FILES, check_checkpoint, load_checkpoint
-from aftgen.data import read_text
+from aftgen.corpus import read_text
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM
 from aftgen.tokenizer import Tokenizer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import signal
 import sys
 import time
@@ -19,10 +20,13 @@ from safetensors.torch import save as save_safetensors
 
 from aftgen import data, distributed
 from aftgen.checkpoint import WEIGHT_DTYPES, WEIGHTS, is_checkpoint, read_weights, save_checkpoint
+from aftgen.corpus import CorpusOptions, prepare_corpus
+from aftgen.corpus.sources import DEFAULT_GLOB
+from aftgen.corpus.split import DEFAULT_HELD_OUT
 from aftgen.device import DEVICES, DTYPES, Placement, compiled, resolve
 from aftgen.distributed import World
 from aftgen.errors import AftgenError
-from aftgen.evaluate import evaluate_text
+from aftgen.evaluate import evaluate_ids
 from aftgen.files import atomic_write, prepare_folder
 from aftgen.model import AFTLM, MIXERS, AFTConfig
 from aftgen.tokenizer import Tokenizer
@@ -43,7 +47,7 @@ MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "window", "context_length", "drop
 class TrainOptions:
     """Everything `aftgen train` can be told; None means "from the preset"."""
 
-    corpus: Path
+    corpus: Path | list[Path]  # text files and folders of them
     out: Path | None = None
     preset: str = "small"
     n_layer: int | None = None
@@ -71,6 +75,9 @@ class TrainOptions:
     tokenizer_type: str = "bpe"
     encoding: str = "utf-8"
     errors: str = "strict"
+    glob: str = DEFAULT_GLOB
+    held_out: int = DEFAULT_HELD_OUT
+    skip_bad_files: bool = False
     resume: bool = False
     overwrite: bool = False
     device: str = "auto"
@@ -88,6 +95,13 @@ class TrainOptions:
             if getattr(self, name) is not None:
                 settings[name] = getattr(self, name)
         return settings
+
+    def sources(self) -> list[Path]:
+        return [Path(self.corpus)] if isinstance(self.corpus, (str, Path)) else [Path(p) for p in self.corpus]
+
+    def corpus_options(self) -> CorpusOptions:
+        names = ("glob", "held_out", "skip_bad_files", "encoding", "errors", "vocab_size", "tokenizer_type")
+        return CorpusOptions(**{name: getattr(self, name) for name in names})
 
     def check(self) -> None:
         """Refuse out-of-range values before any work is done."""
@@ -107,8 +121,7 @@ class TrainOptions:
             raise AftgenError(
                 f"unknown --weights-dtype '{self.weights_dtype}'; choose one of: {', '.join(WEIGHT_DTYPES)}"
             )
-        if self.errors not in ("strict", "replace", "ignore"):
-            raise AftgenError(f"--errors must be strict, replace or ignore, got '{self.errors}'")
+        self.corpus_options().check()
         settings = self.resolved()
         if settings["batch_size"] <= 0:
             raise AftgenError(f"--batch-size must be positive, got {settings['batch_size']}")
@@ -337,7 +350,8 @@ def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str =
         lines.append(f"| weights kept | step {best['step']}: the best held-out check during training |")
     if final:
         lines.append(
-            f"| held-out (last 10%) | {final['nats_per_char']:.4f} nats/char, {final['bits_per_char']:.4f} bits/char |"
+            f"| held-out ({info.get('held_out', {}).get('summary', 'last 10%')}) | "
+            f"{final['nats_per_char']:.4f} nats/char, {final['bits_per_char']:.4f} bits/char |"
         )
     elif last:
         lines.append(f"| held-out (quick eval) | {last['held_out_nats_per_char']:.4f} nats/char |")
@@ -382,8 +396,9 @@ def train(options: TrainOptions, quiet: bool = False, on_eval: Callable[[dict], 
 def _train(
     options: TrainOptions, placement: Placement, world: World, quiet: bool, on_eval: Callable[[dict], None] | None
 ) -> Path:
-    corpus = Path(options.corpus)
-    out = Path(options.out) if options.out else Path("runs") / corpus.stem
+    sources = options.sources()
+    corpus = shlex.join(map(str, sources))
+    out = Path(options.out) if options.out else Path("runs") / sources[0].stem
     settings = options.resolved()
     holds_run = (out / TRAINING_INFO).exists() or (out / TRAINING_STATE).exists() or is_checkpoint(out)
     if not options.resume and not options.overwrite and holds_run:
@@ -398,26 +413,16 @@ def _train(
     if world.main:
         prepare_folder(out)
 
-    text = data.read_text(corpus, options.encoding, options.errors)
-    train_text, held_out_text = data.split_text(text)
+    # Rank 0 trains the tokenizer (a resumed run keeps its own); one process per machine writes the token files.
+    prepared = prepare_corpus(
+        sources,
+        options.corpus_options(),
+        log=(lambda _: None) if quiet or not world.main else None,
+        tokenizer=Tokenizer.load(out / "tokenizer.model") if options.resume else None,
+        world=world,
+    )
+    tokenizer, train_ids, held_out_ids = prepared.tokenizer, prepared.train_ids, prepared.held_out_ids
     with Reporter(quiet or not world.main) as reporter:
-        if options.resume:
-            tokenizer = Tokenizer.load(out / "tokenizer.model")
-        else:  # trained once, by rank 0, and sent to the others
-            proto = None
-            if world.main:
-                proto = data.cached_tokenizer(
-                    train_text, options.vocab_size, options.tokenizer_type, log=reporter.log
-                ).model_proto
-            tokenizer = Tokenizer(world.share_bytes(proto))
-        # One process per machine tokenizes the corpus into the cache; the others wait, then read it.
-        first_on_machine = distributed.local_rank() == 0
-        if not first_on_machine:
-            world.barrier()
-        train_ids = data.cached_ids(train_text, tokenizer)
-        held_out_ids = data.cached_ids(held_out_text, tokenizer)
-        if first_on_machine:
-            world.barrier()
         length = settings["context_length"]
         if len(train_ids) < length + 2 or len(held_out_ids) < 2:
             raise AftgenError(
@@ -446,7 +451,8 @@ def _train(
         info = {
             "name": out.name,
             "command": options.command,
-            "corpus": str(corpus),
+            "corpus": [str(source) for source in sources],
+            "held_out": prepared.held_out,
             "settings": settings,
             "options": {k: v for k, v in asdict(options).items() if k not in ("corpus", "out", "extra")}
             | {"out": str(out)},
@@ -462,7 +468,7 @@ def _train(
             + (f" x {world.size} processes (global batch {info['global_batch_size']})" if world.distributed else "")
             + f" -> {out}"
         )
-        chars_per_token = len(held_out_text) / max(1, len(held_out_ids) - 1)
+        chars_per_token = prepared.held_out_chars / max(1, len(held_out_ids) - 1)
         batch_size = settings["batch_size"]
 
         saved_step = step if options.resume else None
@@ -613,7 +619,9 @@ def _train(
         # Attention's KV cache grows with the stream (quadratic time to read it) and its RoPE positions
         # are untrained past the training length, so attention runs are scored in windows of that length.
         reset_every = config.context_length if config.mixer == "attention" else 0
-        final = evaluate_text(model, tokenizer, held_out_text, reset_every=reset_every)
+        final = evaluate_ids(
+            model, held_out_ids, prepared.held_out_chars, prepared.held_out_bytes, reset_every=reset_every
+        )
         info["final_eval"] = final.to_dict() | {"reset_every": reset_every}
         state_info = run_info(elapsed)
         publish(state_info)

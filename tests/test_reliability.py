@@ -268,7 +268,7 @@ def write_bad_corpora(folder: Path) -> None:
 
 CORPUS_CASES = [
     ("missing.txt", [], "no such file"),
-    ("folder", [], "is a directory"),
+    ("folder", [], r"folder: no files matching '\*\.txt' in this folder; pass --glob PATTERN"),
     ("empty.txt", [], "empty"),
     ("spaces.txt", [], "only whitespace"),
     ("binary.bin", [], "binary"),
