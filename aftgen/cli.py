@@ -264,7 +264,7 @@ def prepare(
     glob: GlobOption = DEFAULT_GLOB,
     held_out: HeldOutOption = None,
     skip_bad_files: SkipBadFilesOption = False,
-    threads: Annotated[int | None, typer.Option(help="Encoder threads (default: every core).")] = None,
+    workers: Annotated[int | None, typer.Option(help="Encoding processes (default: one per core).")] = None,
 ) -> None:
     """Prepare a corpus ahead of training (tokenizer, held-out split, token files); prints the cache folder.
 
@@ -274,7 +274,7 @@ def prepare(
 
     options = CorpusOptions(
         glob=glob, held_out=_held_out(held_out), skip_bad_files=skip_bad_files, encoding=encoding, errors=errors,
-        vocab_size=vocab_size, tokenizer_type=tokenizer_type, threads=threads,
+        vocab_size=vocab_size, tokenizer_type=tokenizer_type, workers=workers,
     )  # fmt: skip
     prepared = prepare_corpus(corpus, options)
     summary = prepared.summary

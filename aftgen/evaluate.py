@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from aftgen.corpus.encode import CHUNK_CHARS, PIECE_CHARS, chunks, cpu_count, encode_chunk
+from aftgen.corpus.encode import CHUNK_CHARS, WordEncoder, chunks
 from aftgen.corpus.sources import Document, read_document
 from aftgen.model import AFTLM
 from aftgen.tokenizer import Tokenizer
@@ -109,8 +109,9 @@ def evaluate_file(
     constant memory."""
 
     def pieces() -> Iterator[torch.Tensor]:
+        encode = WordEncoder(tokenizer, np.dtype(np.int64))
         yield torch.tensor([tokenizer.bos_id])
         for chunk in chunks(read_document(document, encoding, errors), CHUNK_CHARS):
-            yield torch.from_numpy(encode_chunk(tokenizer, chunk, PIECE_CHARS, cpu_count(), np.dtype(np.int64)))
+            yield torch.from_numpy(encode(chunk).copy())  # a writable copy: torch wants one
 
     return _evaluate(model, pieces(), document.chars, document.nbytes, reset_every)

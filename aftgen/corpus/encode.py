@@ -2,23 +2,31 @@
 
 aftgen's tokenizers split words before a space that follows a non-space (SentencePiece's
 split_by_whitespace, with runs of spaces kept together), so no token can straddle such a point: text
-cut there encodes to exactly the tokens of the whole. A stretch with no such point (a very long
-"word") is cut anyway; its tokens may then differ from one-shot encoding, but still decode to the
-exact text, since every piece decodes to itself.
+cut there encodes to exactly the tokens of the whole. Chunks are cut there, and each chunk is encoded
+word by word: natural text repeats its words, so most are looked up in a cache of recent words rather
+than encoded again (twice as fast as SentencePiece on the whole text). A "word" longer than
+`piece_chars` (text with no spaces) is cut anyway; its tokens may then differ from one-shot encoding,
+but still decode to the exact text, since every piece decodes to itself.
 """
 
 from __future__ import annotations
 
-import itertools
+import collections
+import contextlib
+import multiprocessing
 import os
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
 from aftgen.tokenizer import Tokenizer
 
-CHUNK_CHARS = 4_000_000  # the unit of work a killed preparation continues from
-PIECE_CHARS = 16_384  # what one encoder thread takes at a time: SentencePiece is fastest on short inputs
+CHUNK_CHARS = 4_000_000  # what one worker encodes at a time, and the unit a killed preparation continues from
+PIECE_CHARS = 4096  # longer words are cut into pieces of this size
+CACHED_WORD = 64  # longer words are encoded each time, not remembered
+CACHE_WORDS = 1 << 20  # words remembered per worker (about 150 MB at most); the cache starts afresh when full
+_WORD = re.compile(r" *[^ ]+| +")  # SentencePiece's words: a run of spaces and the non-spaces after it
 
 
 def cpu_count() -> int:
@@ -69,8 +77,71 @@ def chunks(texts: Iterable[str], size: int) -> Iterator[str]:
         yield rest
 
 
-def encode_chunk(tokenizer: Tokenizer, text: str, piece_chars: int, threads: int, dtype: np.dtype) -> np.ndarray:
-    """The token ids of `text`, encoded in safely cut pieces on `threads` threads."""
-    encoded = tokenizer.encode_many(list(cut(text, piece_chars)), threads)
-    count = sum(map(len, encoded))
-    return np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype, count=count)
+class WordEncoder:
+    """Encodes text word by word, remembering the encodings of recent words."""
+
+    def __init__(self, tokenizer: Tokenizer, dtype: np.dtype, piece_chars: int = PIECE_CHARS):
+        self.tokenizer, self.dtype, self.piece_chars = tokenizer, np.dtype(dtype), piece_chars
+        self.cache: dict[str, bytes] = {}
+
+    def __call__(self, text: str) -> np.ndarray:
+        words = _WORD.findall(text)
+        new = set(words).difference(self.cache)
+        if len(self.cache) + len(new) > CACHE_WORDS:
+            self.cache.clear()
+            new = set(words)
+        long = [word for word in new if len(word) > CACHED_WORD]
+        self.cache.update(zip(new, self._encode(list(new)), strict=True))
+        encoded = b"".join(map(self.cache.__getitem__, words))
+        for word in long:  # seldom seen again: not worth their memory
+            del self.cache[word]
+        return np.frombuffer(encoded, dtype=self.dtype)
+
+    def _encode(self, words: list[str]) -> list[bytes]:
+        cuts = [list(cut(word, self.piece_chars)) for word in words]
+        ids = iter(self.tokenizer.encode_many([piece for pieces in cuts for piece in pieces]))
+        return [np.array([i for _ in pieces for i in next(ids)], dtype=self.dtype).tobytes() for pieces in cuts]
+
+
+_worker: WordEncoder | None = None
+
+
+def _start_worker(model_proto: bytes, dtype: str, piece_chars: int) -> None:
+    global _worker
+    _worker = WordEncoder(Tokenizer(model_proto), np.dtype(dtype), piece_chars)
+
+
+def _encode_in_worker(text: str) -> bytes:
+    return _worker(text).tobytes()
+
+
+Labelled = tuple[object, str]  # a chunk of text with a label of the caller's
+Encode = Callable[[Iterable[Labelled]], Iterator[tuple[object, str, np.ndarray]]]
+
+
+@contextlib.contextmanager
+def encoder(tokenizer: Tokenizer, dtype: np.dtype, workers: int, piece_chars: int = PIECE_CHARS) -> Iterator[Encode]:
+    """A function from (label, chunk) pairs to (label, chunk, its token ids), in order, on `workers` processes."""
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        encode = WordEncoder(tokenizer, dtype, piece_chars)
+        yield lambda chunks: ((label, text, encode(text)) for label, text in chunks)
+        return
+    # Forked workers: they need no imports of their own, and share what this process has loaded.
+    context = multiprocessing.get_context("fork")
+    with context.Pool(workers, _start_worker, (tokenizer.model_proto, np.dtype(dtype).str, piece_chars)) as pool:
+        yield lambda chunks: _in_order(pool, chunks, np.dtype(dtype), 2 * workers)
+
+
+def _in_order(
+    pool, chunks: Iterable[Labelled], dtype: np.dtype, depth: int
+) -> Iterator[tuple[object, str, np.ndarray]]:
+    """Keep `depth` chunks in the workers' hands (no more: the text is read as fast as it is encoded)."""
+    pending: collections.deque = collections.deque()
+    for label, text in chunks:
+        pending.append((label, text, pool.apply_async(_encode_in_worker, (text,))))
+        if len(pending) >= depth:
+            label, text, result = pending.popleft()
+            yield label, text, np.frombuffer(result.get(), dtype=dtype)
+    while pending:
+        label, text, result = pending.popleft()
+        yield label, text, np.frombuffer(result.get(), dtype=dtype)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from aftgen.corpus.cache import TokenFiles, cache_key, corpus_folder
-from aftgen.corpus.encode import CHUNK_CHARS, PIECE_CHARS, chunks, cpu_count, encode_chunk, token_dtype
+from aftgen.corpus.encode import CHUNK_CHARS, PIECE_CHARS, chunks, cpu_count, encoder, token_dtype
 from aftgen.corpus.progress import Advance, Meter
 from aftgen.corpus.sample import TOKENIZER_SAMPLE, sample, train_on_sample
 from aftgen.corpus.sources import DEFAULT_GLOB, BadFile, Document, check_encoding, find_files, read_span, scan_file
@@ -39,7 +39,7 @@ class CorpusOptions:
     tokenizer_sample: int = TOKENIZER_SAMPLE  # characters the tokenizer trains on at most
     chunk_chars: int = CHUNK_CHARS
     piece_chars: int = PIECE_CHARS
-    threads: int | None = None  # encoder threads (default: every core)
+    workers: int | None = None  # encoding processes (default: one per core)
 
     def check(self) -> None:
         """Refuse out-of-range values before any file is read."""
@@ -53,8 +53,8 @@ class CorpusOptions:
         for name in ("held_out", "vocab_size", "tokenizer_sample", "chunk_chars", "piece_chars"):
             if getattr(self, name) <= 0:
                 raise AftgenError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.threads is not None and self.threads <= 0:
-            raise AftgenError(f"--threads must be positive, got {self.threads}")
+        if self.workers is not None and self.workers <= 0:
+            raise AftgenError(f"--workers must be positive, got {self.workers}")
 
 
 @dataclass
@@ -162,31 +162,36 @@ def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, meter: Meter) -> Prepare
 def _encode(corpus: Corpus, tokenizer: Tokenizer, files: TokenFiles, meter: Meter) -> dict:
     split, started = corpus.split, time.monotonic()
     total = corpus.bytes_of(split.held_out) + corpus.bytes_of(split.train)
-    threads = corpus.options.threads or cpu_count()
+    workers = corpus.options.workers or cpu_count()
     with meter.phase("encoding", total) as advance:
-        for part, spans in (("held_out", split.held_out), ("train", split.train)):
-            _encode_part(corpus, tokenizer, files, part, spans, threads, advance)
-    meter.log(f"encoded in {time.monotonic() - started:.1f} s on {threads} threads into {files.folder}")
+        with encoder(tokenizer, files.dtype, workers, corpus.options.piece_chars) as encode:
+            for part, spans in (("held_out", split.held_out), ("train", split.train)):
+                _encode_part(corpus, tokenizer.bos_id, files, part, spans, encode, advance)
+    meter.log(f"encoded in {time.monotonic() - started:.1f} s by {workers} processes into {files.folder}")
     return files.finish({"documents": [str(d.path) for d in corpus.documents], "skipped": corpus.skipped})
 
 
-def _encode_part(
-    corpus: Corpus, tokenizer: Tokenizer, files: TokenFiles, part: str, spans, threads: int, advance: Advance
-) -> None:
+def _encode_part(corpus: Corpus, bos: int, files: TokenFiles, part: str, spans, encode, advance: Advance) -> None:
     """Encode the spans of one part, chunk by chunk, from where the files' progress says it stopped."""
-    options, progress = corpus.options, dict(files.progress[part])
-    for index in range(progress["span"], len(spans)):
-        if index > progress["span"]:  # skip the chunks done before, but still count the bytes read
+    progress = dict(files.progress[part])
+    for index, chunk, ids in encode(_chunks(corpus, spans, progress, advance)):
+        if index > progress["span"]:
             progress.update(span=index, char=0)
-        for chunk in chunks(corpus.read(spans[index], advance, skip=progress["char"]), options.chunk_chars):
-            ids = encode_chunk(tokenizer, chunk, options.piece_chars, threads, files.dtype)
-            if progress["char"] == 0:
-                ids = np.concatenate([np.array([tokenizer.bos_id], dtype=files.dtype), ids])
-            progress["char"] += len(chunk)
-            progress["bytes"] += len(chunk.encode("utf-8", "replace"))
-            progress["tokens"] += len(ids)
-            files.append(part, ids, progress)
+        if progress["char"] == 0:  # the document starts here
+            ids = np.concatenate([np.array([bos], dtype=files.dtype), ids])
+        progress["char"] += len(chunk)
+        progress["bytes"] += len(chunk.encode("utf-8", "replace"))
+        progress["tokens"] += len(ids)
+        files.append(part, ids, progress)
     files.progress[part] = progress | {"span": len(spans), "char": 0}
+
+
+def _chunks(corpus: Corpus, spans: Sequence[Span], progress: dict, advance: Advance) -> Iterator[tuple[int, str]]:
+    """(span index, chunk) from where `progress` stopped to the end of `spans`."""
+    for index in range(progress["span"], len(spans)):
+        skip = progress["char"] if index == progress["span"] else 0
+        for chunk in chunks(corpus.read(spans[index], advance, skip=skip), corpus.options.chunk_chars):
+            yield index, chunk
 
 
 def _prepared(corpus: Corpus, tokenizer: Tokenizer, files: TokenFiles, manifest: dict) -> PreparedCorpus:
