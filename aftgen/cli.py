@@ -279,9 +279,8 @@ def prepare(
     prepared = prepare_corpus(corpus, options)
     summary = prepared.summary
     print(
-        f"{summary['documents']:,} documents ({summary['skipped']} skipped), {summary['chars']:,} characters: "
-        f"{summary['train_tokens']:,} training tokens, {summary['held_out_tokens']:,} held-out tokens "
-        f"({prepared.held_out['summary']}); vocabulary {prepared.tokenizer.vocab_size}",
+        f"prepared: {summary['train_tokens']:,} training tokens, {summary['held_out_tokens']:,} held-out tokens, "
+        f"vocabulary {prepared.tokenizer.vocab_size}",
         file=sys.stderr,
     )
     print(prepared.folder)

@@ -92,7 +92,7 @@ def test_tokenizer_sample_is_bounded(tmp_path):
     assert prepared.tokenizer.decode(prepared.train_ids[1:].tolist()) == text[: int(0.9 * len(text))]
 
 
-KILLABLE = dict(vocab_size=300, chunk_chars=3000, piece_chars=61, workers=1)
+KILLABLE = dict(vocab_size=300, chunk_chars=1000, piece_chars=61, workers=1)
 
 
 def run_prepare(corpus: Path, cache: Path) -> subprocess.Popen:
@@ -115,7 +115,7 @@ def counting_appends(monkeypatch) -> list:
 
 
 def test_sigkill_during_preparation_leaves_a_cache_the_next_run_continues(tmp_path, monkeypatch):
-    corpus = write_text(tmp_path / "a.txt", corpus_text(150_000))
+    corpus = write_text(tmp_path / "a.txt", corpus_text(200_000))
     process = run_prepare(corpus, tmp_path / "killed")
     deadline = time.monotonic() + 120  # a safety net against a hung process, not a speed requirement
     while not list((tmp_path / "killed").glob("corpora/*/tokens-*/progress.json")):

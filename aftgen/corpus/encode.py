@@ -4,7 +4,7 @@ aftgen's tokenizers split words before a space that follows a non-space (Sentenc
 split_by_whitespace, with runs of spaces kept together), so no token can straddle such a point: text
 cut there encodes to exactly the tokens of the whole. Chunks are cut there, and each chunk is encoded
 word by word: natural text repeats its words, so most are looked up in a cache of recent words rather
-than encoded again (twice as fast as SentencePiece on the whole text). A "word" longer than
+than encoded again (about twice as fast as SentencePiece on the whole text). A "word" longer than
 `piece_chars` (text with no spaces) is cut anyway; its tokens may then differ from one-shot encoding,
 but still decode to the exact text, since every piece decodes to itself.
 """
@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
+from aftgen.device import release_freed_memory
 from aftgen.tokenizer import Tokenizer
 
 CHUNK_CHARS = 4_000_000  # what one worker encodes at a time, and the unit a killed preparation continues from
@@ -112,7 +113,9 @@ def _start_worker(model_proto: bytes, dtype: str, piece_chars: int) -> None:
 
 
 def _encode_in_worker(text: str) -> bytes:
-    return _worker(text).tobytes()
+    encoded = _worker(text).tobytes()
+    release_freed_memory()
+    return encoded
 
 
 Labelled = tuple[object, str]  # a chunk of text with a label of the caller's
@@ -124,20 +127,20 @@ def encoder(tokenizer: Tokenizer, dtype: np.dtype, workers: int, piece_chars: in
     """A function from (label, chunk) pairs to (label, chunk, its token ids), in order, on `workers` processes."""
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         encode = WordEncoder(tokenizer, dtype, piece_chars)
-        yield lambda chunks: ((label, text, encode(text)) for label, text in chunks)
+        yield lambda labelled: ((label, text, encode(text)) for label, text in labelled)
         return
     # Forked workers: they need no imports of their own, and share what this process has loaded.
     context = multiprocessing.get_context("fork")
     with context.Pool(workers, _start_worker, (tokenizer.model_proto, np.dtype(dtype).str, piece_chars)) as pool:
-        yield lambda chunks: _in_order(pool, chunks, np.dtype(dtype), 2 * workers)
+        yield lambda labelled: _in_order(pool, labelled, np.dtype(dtype), 2 * workers)
 
 
 def _in_order(
-    pool, chunks: Iterable[Labelled], dtype: np.dtype, depth: int
+    pool, labelled: Iterable[Labelled], dtype: np.dtype, depth: int
 ) -> Iterator[tuple[object, str, np.ndarray]]:
     """Keep `depth` chunks in the workers' hands (no more: the text is read as fast as it is encoded)."""
     pending: collections.deque = collections.deque()
-    for label, text in chunks:
+    for label, text in labelled:
         pending.append((label, text, pool.apply_async(_encode_in_worker, (text,))))
         if len(pending) >= depth:
             label, text, result = pending.popleft()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from aftgen.corpus.progress import Advance, Meter
 from aftgen.corpus.sample import TOKENIZER_SAMPLE, sample, train_on_sample
 from aftgen.corpus.sources import DEFAULT_GLOB, BadFile, Document, check_encoding, find_files, read_span, scan_file
 from aftgen.corpus.split import DEFAULT_HELD_OUT, Span, Split, describe, split_corpus
+from aftgen.device import release_freed_memory
 from aftgen.distributed import World, local_rank
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_write
@@ -63,15 +63,17 @@ class Corpus:
 
     documents: list[Document]
     split: Split
+    held_out: dict  # what is held out (split.describe)
     options: CorpusOptions
     skipped: int = 0
 
     @property
     def folder(self) -> Path:
-        o = self.options
-        digests = [d.digest for d in self.documents]
-        return corpus_folder(cache_key({"documents": digests, "encoding": o.encoding, "errors": o.errors,
-                                        "held_out": o.held_out}))  # fmt: skip
+        """The cache folder of this corpus (its contents and the options that shape its split)."""
+        options = self.options
+        digests = [document.digest for document in self.documents]
+        key = {"documents": digests, "encoding": options.encoding, "errors": options.errors}
+        return corpus_folder(cache_key(key | {"held_out": options.held_out}))
 
     def read(self, span: Span, advance: Advance | None = None, skip: int = 0) -> Iterator[str]:
         """A span's text in blocks, from `skip` characters into it."""
@@ -115,7 +117,13 @@ def scan_corpus(sources: Sequence[Path | str], options: CorpusOptions, meter: Me
         raise AftgenError(f"no usable text in {', '.join(map(str, sources))}: all {skipped} files were skipped")
     if skipped:
         meter.log(f"skipped {skipped} bad file{'s' * (skipped != 1)}, kept {len(documents)}")
-    return Corpus(documents, split_corpus(documents, options.held_out), options, skipped)
+    split = split_corpus(documents, options.held_out)
+    held_out = describe(split, documents, options.held_out)
+    meter.log(
+        f"{len(documents):,} document{'s' * (len(documents) != 1)}, {sum(d.chars for d in documents):,} characters; "
+        f"held out: {held_out['summary']}, {held_out['chars']:,} characters"
+    )
+    return Corpus(documents, split, held_out, options, skipped)
 
 
 def _size(path: Path) -> int:
@@ -183,6 +191,7 @@ def _encode_part(corpus: Corpus, bos: int, files: TokenFiles, part: str, spans, 
         progress["bytes"] += len(chunk.encode("utf-8", "replace"))
         progress["tokens"] += len(ids)
         files.append(part, ids, progress)
+        release_freed_memory()  # or the heap, fragmented by megabyte-sized chunks, grows for minutes
     files.progress[part] = progress | {"span": len(spans), "char": 0}
 
 
@@ -196,8 +205,7 @@ def _chunks(corpus: Corpus, spans: Sequence[Span], progress: dict, advance: Adva
 
 def _prepared(corpus: Corpus, tokenizer: Tokenizer, files: TokenFiles, manifest: dict) -> PreparedCorpus:
     parts = manifest["parts"]
-    held_out = describe(corpus.split, corpus.documents, corpus.options.held_out)
-    held_out |= {"bytes": parts["held_out"]["bytes"], "tokens": parts["held_out"]["tokens"]}
+    held_out = corpus.held_out | {"bytes": parts["held_out"]["bytes"], "tokens": parts["held_out"]["tokens"]}
     summary = {
         "documents": len(corpus.documents),
         "skipped": corpus.skipped,
@@ -258,7 +266,3 @@ class _LoggingMeter(Meter):
 
     def log(self, message: str) -> None:
         self._log(message)
-
-
-def print_to_stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
