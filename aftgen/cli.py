@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from aftgen.corpus.sources import DEFAULT_GLOB
-from aftgen.corpus.split import DEFAULT_HELD_OUT
+from aftgen.corpus import CorpusOptions
 from aftgen.errors import AftgenError
 
 if TYPE_CHECKING:
@@ -68,7 +67,7 @@ HeldOutOption = Annotated[
     typer.Option(
         metavar="CHARS",
         help="Hold out at most this many characters, e.g. 500k, 2M (default "
-        f"{DEFAULT_HELD_OUT:,}): one file's last 10%, or whole documents making about 10% of several.",
+        f"{CorpusOptions.held_out:,}): one file's last 10%, or whole documents making about 10% of several.",
         rich_help_panel=DATA_PANEL,
     ),
 ]
@@ -199,9 +198,9 @@ def train(
     tokenizer_type: TokenizerTypeOption = "bpe",
     encoding: EncodingOption = "utf-8",
     errors: ErrorsOption = "strict",
-    glob: GlobOption = DEFAULT_GLOB,
+    glob: GlobOption = CorpusOptions.glob,
     held_out: HeldOutOption = None,
-    skip_bad_files: SkipBadFilesOption = False,
+    skip_bad_files: SkipBadFilesOption = CorpusOptions.skip_bad_files,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -250,27 +249,27 @@ def train(
 def _held_out(text: str | None) -> int:
     from aftgen.corpus.split import parse_size
 
-    return parse_size(text) if text else DEFAULT_HELD_OUT
+    return parse_size(text) if text else CorpusOptions.held_out
 
 
 @app.command()
 @command
 def prepare(
     corpus: CorpusArgument,
-    vocab_size: VocabSizeOption = 1024,
-    tokenizer_type: TokenizerTypeOption = "bpe",
-    encoding: EncodingOption = "utf-8",
-    errors: ErrorsOption = "strict",
-    glob: GlobOption = DEFAULT_GLOB,
+    vocab_size: VocabSizeOption = CorpusOptions.vocab_size,
+    tokenizer_type: TokenizerTypeOption = CorpusOptions.tokenizer_type,
+    encoding: EncodingOption = CorpusOptions.encoding,
+    errors: ErrorsOption = CorpusOptions.errors,
+    glob: GlobOption = CorpusOptions.glob,
     held_out: HeldOutOption = None,
-    skip_bad_files: SkipBadFilesOption = False,
+    skip_bad_files: SkipBadFilesOption = CorpusOptions.skip_bad_files,
     workers: Annotated[int | None, typer.Option(help="Encoding processes (default: one per core).")] = None,
 ) -> None:
     """Prepare a corpus ahead of training (tokenizer, held-out split, token files); prints the cache folder.
 
     `aftgen train` with the same paths and data options then starts at once: before a torchrun job, for example.
     """
-    from aftgen.corpus import CorpusOptions, prepare_corpus
+    from aftgen.corpus import prepare_corpus
 
     options = CorpusOptions(
         glob=glob, held_out=_held_out(held_out), skip_bad_files=skip_bad_files, encoding=encoding, errors=errors,

@@ -18,7 +18,6 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aftgen.data import cache_dir
+from aftgen.data import TokenFile, cache_dir
 from aftgen.files import atomic_write
 
 FORMAT = 1  # bump when what a cache entry holds changes
@@ -115,13 +114,7 @@ class TokenFiles:
             (self.folder / PROGRESS).unlink()
         return manifest
 
-    def open(self, part: str, tokens: int) -> torch.Tensor:
-        """A part's ids, memory-mapped: pages are read from disk as batches touch them, and only those pages
-        (training reads short windows at random places, where the kernel's read-ahead would map 100 times more)."""
-        if not tokens:
-            return torch.empty(0, dtype=_TORCH_DTYPES[self.dtype.name])
-        with open(self.path(part), "rb") as handle:
-            mapped = mmap.mmap(handle.fileno(), tokens * self.dtype.itemsize, access=mmap.ACCESS_COPY)
-        if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-            mapped.madvise(mmap.MADV_RANDOM)
-        return torch.frombuffer(mapped, dtype=_TORCH_DTYPES[self.dtype.name])  # keeps the mapping alive
+    def open(self, part: str, tokens: int) -> TokenFile | torch.Tensor:
+        """A part's ids, memory-mapped (an empty tensor when there are none)."""
+        dtype = _TORCH_DTYPES[self.dtype.name]
+        return TokenFile(self.path(part), dtype, tokens) if tokens else torch.empty(0, dtype=dtype)

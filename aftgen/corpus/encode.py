@@ -26,7 +26,7 @@ from aftgen.tokenizer import Tokenizer
 CHUNK_CHARS = 4_000_000  # what one worker encodes at a time, and the unit a killed preparation continues from
 PIECE_CHARS = 4096  # longer words are cut into pieces of this size
 CACHED_WORD = 64  # longer words are encoded each time, not remembered
-CACHE_WORDS = 1 << 20  # words remembered per worker (about 150 MB at most); the cache starts afresh when full
+CACHE_WORDS = 1 << 18  # words remembered per worker (about 40 MB)
 _WORD = re.compile(r" *[^ ]+| +")  # SentencePiece's words: a run of spaces and the non-spaces after it
 
 
@@ -87,10 +87,10 @@ class WordEncoder:
 
     def __call__(self, text: str) -> np.ndarray:
         words = _WORD.findall(text)
-        new = set(words).difference(self.cache)
-        if len(self.cache) + len(new) > CACHE_WORDS:
-            self.cache.clear()
-            new = set(words)
+        distinct = set(words)
+        new = distinct.difference(self.cache)
+        if len(self.cache) + len(new) > CACHE_WORDS:  # full: keep only the words this chunk uses
+            self.cache = {word: self.cache[word] for word in distinct.intersection(self.cache)}
         long = [word for word in new if len(word) > CACHED_WORD]
         self.cache.update(zip(new, self._encode(list(new)), strict=True))
         encoded = b"".join(map(self.cache.__getitem__, words))

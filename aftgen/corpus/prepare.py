@@ -18,6 +18,7 @@ from aftgen.corpus.progress import Advance, Meter
 from aftgen.corpus.sample import TOKENIZER_SAMPLE, sample, train_on_sample
 from aftgen.corpus.sources import DEFAULT_GLOB, BadFile, Document, check_encoding, find_files, read_span, scan_file
 from aftgen.corpus.split import DEFAULT_HELD_OUT, Span, Split, describe, split_corpus
+from aftgen.data import TokenFile
 from aftgen.device import release_freed_memory
 from aftgen.distributed import World, local_rank
 from aftgen.errors import AftgenError
@@ -90,8 +91,8 @@ class PreparedCorpus:
     """A corpus ready to train on: its tokenizer and memory-mapped token ids, a BOS before each document."""
 
     tokenizer: Tokenizer
-    train_ids: torch.Tensor  # uint16 (int32 past 65,536 pieces), read from disk as it is used
-    held_out_ids: torch.Tensor
+    train_ids: TokenFile  # uint16 (int32 past 65,536 pieces), memory-mapped: read from disk as batches use it
+    held_out_ids: torch.Tensor  # memory-mapped too
     held_out_chars: int  # for nats/char
     held_out_bytes: int  # UTF-8 bytes, for bits/byte
     held_out: dict  # what was held out, exactly (training.json)
@@ -217,7 +218,7 @@ def _prepared(corpus: Corpus, tokenizer: Tokenizer, files: TokenFiles, manifest:
     return PreparedCorpus(
         tokenizer=tokenizer,
         train_ids=files.open("train", parts["train"]["tokens"]),
-        held_out_ids=files.open("held_out", parts["held_out"]["tokens"]),
+        held_out_ids=files.open("held_out", parts["held_out"]["tokens"])[:],
         held_out_chars=held_out["chars"],
         held_out_bytes=parts["held_out"]["bytes"],
         held_out=held_out,
