@@ -11,12 +11,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from aftgen.corpus.encode import CHUNK_CHARS, WordEncoder, chunks
+from aftgen.corpus.encode import WordEncoder, chunks
 from aftgen.corpus.sources import Document, read_document
+from aftgen.device import release_freed_memory
 from aftgen.model import AFTLM
 from aftgen.tokenizer import Tokenizer
 
 PIECE_TOKENS = 1 << 20  # token ids read from a (memory-mapped) file at a time
+CHUNK_CHARS = 1_000_000  # characters of a text file encoded at a time
 
 
 @dataclass
@@ -113,5 +115,6 @@ def evaluate_file(
         yield torch.tensor([tokenizer.bos_id])
         for chunk in chunks(read_document(document, encoding, errors), CHUNK_CHARS):
             yield torch.from_numpy(encode(chunk).copy())  # a writable copy: torch wants one
+            release_freed_memory()  # megabyte-sized buffers fragment the heap, which would grow with the file
 
     return _evaluate(model, pieces(), document.chars, document.nbytes, reset_every)
