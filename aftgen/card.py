@@ -38,7 +38,8 @@ def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str =
         lines.append(f"| weights kept | step {best['step']}: the best held-out check during training |")
     if final:
         lines.append(
-            f"| held-out (last 10%) | {final['nats_per_char']:.4f} nats/char, {final['bits_per_char']:.4f} bits/char |"
+            f"| held-out ({info.get('held_out', {}).get('summary', 'last 10%')}) | "
+            f"{final['nats_per_char']:.4f} nats/char, {final['bits_per_char']:.4f} bits/char |"
         )
     elif last:
         lines.append(f"| held-out (quick eval) | {last['held_out_nats_per_char']:.4f} nats/char |")

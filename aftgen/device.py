@@ -123,6 +123,16 @@ def reuse_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
+def release_freed_memory() -> None:
+    """Hand memory freed inside glibc's heap back to the kernel now (malloc_trim).
+
+    A long stream of megabyte-sized buffers (corpus preparation) leaves the heap fragmented, and
+    resident memory creeping up by a hundred megabytes, unless the freed pages are released.
+    """
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def set_threads(threads: int | None = None) -> int:
     """Set torch's CPU threads: `threads`, or the physical cores shared among this machine's processes."""
     if threads is not None and threads < 1:

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from aftgen.corpus.encode import WordEncoder, chunks
+from aftgen.corpus.sources import Document, read_document
+from aftgen.device import release_freed_memory
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM
 from aftgen.tokenizer import Tokenizer
+
+PIECE_TOKENS = 1 << 20  # token ids read from a (memory-mapped) file at a time
+CHUNK_CHARS = 1_000_000  # characters of a text file encoded at a time
 
 
 @dataclass
@@ -22,32 +31,69 @@ class Evaluation:
     tokens: int
     chars: int
 
+    @classmethod
+    def of(cls, nats: float, tokens: int, chars: int, nbytes: int) -> Evaluation:
+        """From the summed loss of `tokens` predicted tokens over text of `chars` characters and `nbytes` bytes."""
+        return cls(
+            nats_per_token=nats / tokens,
+            nats_per_char=nats / chars,
+            bits_per_char=nats / chars / math.log(2),
+            bits_per_byte=nats / nbytes / math.log(2),
+            tokens=tokens,
+            chars=chars,
+        )
+
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 @torch.inference_mode()
-def stream_nll(model: AFTLM, ids: torch.Tensor, chunk: int = 1024, reset_every: int = 0) -> torch.Tensor:
-    """Per-token negative log-likelihood of ids[1:] given everything before, read as one stream.
+def score_stream(
+    model: AFTLM, pieces: Iterable[torch.Tensor], chunk: int = 1024, reset_every: int = 0
+) -> Iterator[torch.Tensor]:
+    """Per-token negative log-likelihood of a token stream given in pieces, each token given everything
+    before it, yielded a chunk at a time.
 
-    The file is read chunk by chunk in the parallel form, carrying the recurrent state across
-    chunks, so memory stays constant however long the file is. With `reset_every` > 0 the context
-    is instead cut into independent windows of that many tokens (the way a model trained on
+    The stream is read chunk by chunk in the parallel form, carrying the recurrent state across
+    chunks, so memory stays constant however long it is. With `reset_every` > 0 the context is
+    instead cut into independent windows of that many tokens (the way a model trained on
     fixed-length windows sees text).
     """
-    ids = ids.long()
-    predicted = len(ids) - 1
-    window = reset_every or predicted
-    losses = []
-    for window_start in range(0, predicted, window):
-        state = None
-        window_stop = min(window_start + window, predicted)
-        for start in range(window_start, window_stop, chunk):
-            stop = min(start + chunk, window_stop)
-            logits, state = model.prefill(ids[None, start:stop], state)
-            targets = ids[start + 1 : stop + 1].to(logits.device)
-            losses.append(F.cross_entropy(logits[0].float(), targets, reduction="none").cpu())
-    return torch.cat(losses)
+    state, position, buffer = None, 0, torch.empty(0, dtype=torch.long)
+    for piece in itertools.chain(pieces, [None]):
+        if piece is not None:
+            buffer = torch.cat([buffer, piece.long()])
+        while len(buffer) > 1:
+            if reset_every and position % reset_every == 0:
+                state = None
+            count = min(chunk, reset_every - position % reset_every) if reset_every else chunk
+            if len(buffer) <= count and piece is not None:
+                break  # wait for the rest of the chunk
+            count = min(count, len(buffer) - 1)
+            logits, state = model.prefill(buffer[None, :count], state)
+            targets = buffer[1 : count + 1].to(logits.device)
+            yield F.cross_entropy(logits[0].float(), targets, reduction="none").cpu()
+            buffer, position = buffer[count:], position + count
+
+
+def stream_nll(model: AFTLM, ids: torch.Tensor, chunk: int = 1024, reset_every: int = 0) -> torch.Tensor:
+    """Per-token negative log-likelihood of ids[1:] given everything before, read as one stream."""
+    return torch.cat(list(score_stream(model, [ids], chunk, reset_every)))
+
+
+def evaluate_ids(model: AFTLM, ids: torch.Tensor, chars: int, nbytes: int, reset_every: int = 0) -> Evaluation:
+    """Loss over token ids (a memory-mapped file's too: read a piece at a time) that encode `chars`
+    characters, `nbytes` bytes of UTF-8."""
+    return _evaluate(model, ids.split(PIECE_TOKENS), chars, nbytes, reset_every)
+
+
+def _evaluate(model: AFTLM, pieces: Iterable[torch.Tensor], chars: int, nbytes: int, reset_every: int) -> Evaluation:
+    if reset_every < 0:
+        raise AftgenError(f"--reset-every must be >= 0, got {reset_every}")
+    nats, tokens = 0.0, 0
+    for losses in score_stream(model, pieces, reset_every=reset_every):
+        nats, tokens = nats + float(losses.double().sum()), tokens + len(losses)
+    return Evaluation.of(nats, tokens, chars, nbytes)
 
 
 @torch.inference_mode()
@@ -70,20 +116,26 @@ def window_loss(model: AFTLM, ids: torch.Tensor, length: int, windows: int) -> f
 
 def evaluate_text(model: AFTLM, tokenizer: Tokenizer, text: str, reset_every: int = 0) -> Evaluation:
     """Loss over all of `text` (each token predicted from a BOS and the text before it)."""
-    if reset_every < 0:
-        raise AftgenError(f"--reset-every must be >= 0, got {reset_every}")
     ids = torch.tensor([tokenizer.bos_id, *tokenizer.encode(text)])
-    return summarise(stream_nll(model, ids, reset_every=reset_every), text)
+    return evaluate_ids(model, ids, len(text), len(text.encode("utf-8")), reset_every)
 
 
-def summarise(nll: torch.Tensor, text: str) -> Evaluation:
-    total = float(nll.double().sum())
-    chars, nbytes = len(text), len(text.encode("utf-8"))
-    return Evaluation(
-        nats_per_token=total / len(nll),
-        nats_per_char=total / chars,
-        bits_per_char=total / chars / math.log(2),
-        bits_per_byte=total / nbytes / math.log(2),
-        tokens=len(nll),
-        chars=chars,
-    )
+def evaluate_file(
+    model: AFTLM,
+    tokenizer: Tokenizer,
+    document: Document,
+    encoding: str = "utf-8",
+    errors: str = "strict",
+    reset_every: int = 0,
+) -> Evaluation:
+    """evaluate_text of a file of any size (scanned by `scan_file`), read and encoded a chunk at a time:
+    constant memory."""
+
+    def pieces() -> Iterator[torch.Tensor]:
+        encode = WordEncoder(tokenizer, np.dtype(np.int64))
+        yield torch.tensor([tokenizer.bos_id])
+        for chunk in chunks(read_document(document, encoding, errors), CHUNK_CHARS):
+            yield torch.from_numpy(encode(chunk).copy())  # a writable copy: torch wants one
+            release_freed_memory()  # megabyte-sized buffers fragment the heap, which would grow with the file
+
+    return _evaluate(model, pieces(), document.chars, document.nbytes, reset_every)

@@ -22,7 +22,7 @@ from aftgen.checkpoint import (
     check_checkpoint,
     load_checkpoint,
 )
-from aftgen.data import read_text
+from aftgen.corpus import read_text
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM
 from aftgen.tokenizer import Tokenizer

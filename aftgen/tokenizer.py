@@ -10,7 +10,7 @@ from __future__ import annotations
 import codecs
 import io
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import sentencepiece as spm
@@ -23,6 +23,7 @@ _META = "\u2581"
 _UNESCAPE = re.compile(_ESCAPE + "(.)", re.DOTALL)
 _TOO_HIGH = re.compile(r"value <= (\d+)")
 _TOO_LOW = re.compile(r"smaller than required_chars\. \d+ vs (\d+)")
+TRAINER_SLICE = 4096  # characters per sentence the trainer reads
 
 
 def _escape(text: str) -> str:
@@ -66,6 +67,10 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(_escape(text))
+
+    def encode_many(self, texts: list[str], threads: int = 1) -> list[list[int]]:
+        """encode() of each text, on `threads` threads."""
+        return self.sp.encode([_escape(text) for text in texts], num_threads=threads)
 
     def decode(self, ids: Iterable[int]) -> str:
         return _unescape(self.sp.decode(list(ids)))
@@ -116,16 +121,20 @@ _ESCAPE_OPEN = re.compile(f"(?<!{_ESCAPE})(?:{_ESCAPE}{_ESCAPE})*{_ESCAPE}$")
 
 def train_tokenizer(text: str, vocab_size: int, kind: str = "bpe", log=print) -> Tokenizer:
     """Train a SentencePiece model on `text`; a vocabulary too big for the text is clamped, with a message."""
+    return train_tokenizer_on_slices(list(trainer_slices([text])), vocab_size, kind, log)
+
+
+def train_tokenizer_on_slices(slices: Sequence[str], vocab_size: int, kind: str = "bpe", log=print) -> Tokenizer:
+    """Train a SentencePiece model on `slices` (from `trainer_slices`); a vocabulary too big is clamped."""
     if kind not in TOKENIZER_TYPES:
         raise AftgenError(f"unknown tokenizer type '{kind}'; choose one of: {', '.join(TOKENIZER_TYPES)}")
     if vocab_size < 260 and kind != "char":
         raise AftgenError(f"--vocab-size must be at least 260 (256 byte pieces + specials), got {vocab_size}")
-    escaped = _escape(text)
     for _ in range(3):
         proto = io.BytesIO()
         try:
             spm.SentencePieceTrainer.train(
-                sentence_iterator=_pieces_of(escaped),
+                sentence_iterator=iter(slices),
                 model_writer=proto,
                 model_type=kind,
                 vocab_size=vocab_size,
@@ -160,7 +169,15 @@ def train_tokenizer(text: str, vocab_size: int, kind: str = "bpe", log=print) ->
     raise AftgenError("tokenizer training failed")
 
 
-def _pieces_of(text: str, size: int = 4096) -> Iterator[str]:
-    """Feed the trainer text in slices (newlines kept inside, so pieces may span them)."""
-    for start in range(0, len(text), size):
-        yield text[start : start + size]
+def trainer_slices(texts: Iterable[str], size: int = TRAINER_SLICE) -> Iterator[str]:
+    """The trainer's input for one document given in parts: its escaped text in slices of `size` characters
+    (newlines kept inside, so pieces may span them)."""
+    rest = ""
+    for text in texts:
+        rest += _escape(text)
+        whole = len(rest) - len(rest) % size
+        for start in range(0, whole, size):
+            yield rest[start : start + size]
+        rest = rest[whole:]
+    if rest:
+        yield rest

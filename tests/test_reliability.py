@@ -293,7 +293,7 @@ def write_bad_corpora(folder: Path) -> None:
 
 CORPUS_CASES = [
     ("missing.txt", [], "no such file"),
-    ("folder", [], "is a directory"),
+    ("folder", [], r"folder: no files matching '\*\.txt' in this folder; pass --glob PATTERN"),
     ("empty.txt", [], "empty"),
     ("spaces.txt", [], "only whitespace"),
     ("binary.bin", [], "binary"),
@@ -331,7 +331,7 @@ OPTION_CASES = [
     (["--preset", "huge"], "unknown preset 'huge'"),
     (["--max-time", "-5"], "duration must be positive"),
     (["--max-time", "soon"], "cannot read duration"),
-    (["--errors", "maybe"], "unknown --errors 'maybe'"),
+    (["--errors", "maybe"], "--errors must be strict, replace or ignore"),
     (["--warmup-steps", "-1"], "--warmup-steps must not be negative"),
     (["--vocab-size", "10"], "at least 260"),
     (["--tokenizer-type", "wordpiece"], "unknown tokenizer type"),

@@ -191,3 +191,17 @@ def bench_serve_command(
     options.check()
     require_serve_extra()
     print_rows(bench_serve(options, log=progress), as_json)
+
+
+@bench_app.command("data")
+@command
+def bench_data_command(
+    corpora: Annotated[list[Path], typer.Argument(help="Corpora (files or folders), each measured in turn.")],
+    steps: Annotated[int, typer.Option(help="Training steps to run on each prepared corpus.")] = 10,
+    as_json: AsJson = False,
+) -> None:
+    """Preparing and training on large corpora: preparation time, MB/s, peak memory, time to the first step."""
+    from aftgen.bench.data import bench_data
+    from aftgen.bench.report import print_rows
+
+    print_rows(bench_data(corpora, steps, log=progress), as_json)

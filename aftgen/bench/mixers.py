@@ -188,13 +188,14 @@ def bench_quality(corpus: Path, seconds: float, mixers: tuple[str, ...], log: Lo
     one stream, by position, to show whether its quality holds past the training length.
     """
     from aftgen.checkpoint import load_checkpoint
-    from aftgen.data import read_text, split_text
-    from aftgen.evaluate import evaluate_text
+    from aftgen.corpus import prepare_corpus
+    from aftgen.evaluate import evaluate_ids
     from aftgen.training import TrainOptions, train
 
     if not seconds > 0:
         raise AftgenError(f"--time must be positive, got {seconds}")
-    _, held_out = split_text(read_text(corpus))
+    data = prepare_corpus([corpus], TrainOptions(corpus=corpus).corpus_options(), log=lambda _: None)
+    ids, chars, nbytes = data.held_out_ids.long(), data.held_out_chars, data.held_out_bytes
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="aftgen-bench-") as folder:
         for mixer in mixers:
@@ -202,14 +203,14 @@ def bench_quality(corpus: Path, seconds: float, mixers: tuple[str, ...], log: Lo
             out = Path(folder) / mixer
             options = TrainOptions(corpus, out, mixer=mixer, max_time=seconds, max_steps=10**9, eval_interval=10**9)
             model, tokenizer = load_checkpoint(train(options, quiet=True))
-            result = evaluate_text(model, tokenizer, held_out, reset_every=model.config.context_length)
+            result = evaluate_ids(model, ids, chars, nbytes, reset_every=model.config.context_length)
             eval_kind = f"windows of {model.config.context_length} tokens"
             where = {"mixer": mixer, "train_seconds": seconds, "eval": eval_kind}
             rows.append({"measure": "held-out", "value": round(result.nats_per_char, 4), "unit": "nats/char", **where})
             rows.append({"measure": "held-out", "value": round(result.bits_per_char, 4), "unit": "bits/char", **where})
             log(f"  {mixer}: {result.nats_per_char:.4f} nats/char ({result.bits_per_char:.4f} bits/char)")
             if mixer == "aft_local":
-                rows += _stream_rows(model, tokenizer, held_out, log)
+                rows += _stream_rows(model, tokenizer, ids, log)
     base = {r["unit"]: r["value"] for r in rows if r["mixer"] == BASELINE and r["measure"] == "held-out"}
     for r in rows:
         if r["measure"] == "held-out" and r["unit"] in base:
@@ -217,11 +218,10 @@ def bench_quality(corpus: Path, seconds: float, mixers: tuple[str, ...], log: Lo
     return rows
 
 
-def _stream_rows(model: AFTLM, tokenizer, held_out: str, log: Log) -> list[Row]:
-    """The held-out text read as one stream, scored by position: does quality hold past the training length?"""
+def _stream_rows(model: AFTLM, tokenizer, ids: torch.Tensor, log: Log) -> list[Row]:
+    """The held-out ids read as one stream, scored by position: does quality hold past the training length?"""
     from aftgen.evaluate import stream_nll
 
-    ids = torch.tensor([tokenizer.bos_id, *tokenizer.encode(held_out)])
     nll, rows = stream_nll(model, ids), []
     for low, high in POSITION_BINS:
         if low >= len(nll):

@@ -7,7 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 Row = dict  # {"measure", "value", "unit", ...; "target" and "ok" on judged rows}
-RELATIONS: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": operator.ge, "==": operator.eq}
+RELATIONS: dict[str, Callable[[float, float], bool]] = {
+    "<=": operator.le, ">=": operator.ge, "==": operator.eq, "<": operator.lt,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,13 @@ TARGETS: dict[str, Target] = {
     "serve throughput": Target("aggregate tokens/s, 32 streams / 1 stream", "x", ">=", 6),
     "serve latency": Target("ITL p99 at 32 streams / single-stream step (ITL p50 at 1)", "x", "<=", 6),
     "serve memory": Target("peak resident memory growth 1 -> 32 streams, beyond 32 states", "MB", "<=", 50),
+    # bench data: preparing 1 GB on 2 cores, and training on it
+    "prepare speed": Target("prepare: speed", "MB/s", ">=", round(1000 / 300, 2)),  # 1 GB in 5 minutes
+    "prepare memory": Target("prepare: peak RSS", "MB", "<=", 1536),
+    "first step": Target("train: start to first step", "s", "<=", 20),
+    "train memory": Target("train: peak RSS", "MB", "<=", 1536),
+    "prepare memory spread": Target("prepare: peak RSS spread over the corpora", "", "<", 0.10),
+    "train memory spread": Target("train: peak RSS spread over the corpora", "", "<", 0.10),
     # bench finetune: 60 s on 50 KB, fine-tuning the shipped model against training from scratch
     "fine-tuning advantage": Target("fine-tuned minus from-scratch held-out, 50 KB, 60 s", "nats/char", ">=", 0.15),
 }

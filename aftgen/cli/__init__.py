@@ -37,6 +37,7 @@ def main(
 
 
 app.command()(train.train)
+app.command()(train.prepare)
 app.command()(generate.sample)
 app.command()(generate.prime)
 app.command()(generate.chat)

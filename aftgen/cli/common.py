@@ -15,6 +15,7 @@ from typing import Annotated, TypeVar
 
 import typer
 
+from aftgen.corpus import CorpusOptions
 from aftgen.errors import AftgenError
 
 MODEL_PANEL, TRAIN_PANEL, DATA_PANEL, SAMPLE_PANEL = "Model size", "Training", "Data", "Sampling"
@@ -48,6 +49,34 @@ Options = TypeVar("Options")
 Command = TypeVar("Command", bound=Callable)
 # Where the model runs: every command that runs one takes these (as **hardware) and calls placement().
 HARDWARE_OPTIONS = {"device": (DeviceOption, "auto"), "dtype": (DtypeOption, "auto"), "threads": (ThreadsOption, None)}
+CorpusArgument = Annotated[list[Path], typer.Argument(help="Text files, or folders of them (each file a document).")]
+
+
+def _data(help: str | None = None, **extra):
+    return typer.Option(help=help, rich_help_panel=DATA_PANEL, **extra)
+
+
+# How a corpus is read and split: `train` and `prepare` take these, with aftgen.corpus.CorpusOptions' defaults.
+CORPUS_OPTIONS = {
+    "encoding": (Annotated[str, _data("Text encoding of the corpus.")], CorpusOptions.encoding),
+    "errors": (Annotated[str, _data("strict | replace | ignore undecodable bytes.")], CorpusOptions.errors),
+    "glob": (Annotated[str, _data("Which files in folders to read.")], CorpusOptions.glob),
+    "held_out": (
+        Annotated[
+            str,
+            _data(
+                "Hold out at most this many characters, e.g. 500k, 2M: one file's last 10%, or whole documents "
+                "making about 10% of several.",
+                metavar="CHARS",
+            ),
+        ],
+        str(CorpusOptions.held_out),
+    ),
+    "skip_bad_files": (
+        Annotated[bool, _data("Skip binary, unreadable or undecodable files (with a warning) instead of stopping.")],
+        CorpusOptions.skip_bad_files,
+    ),
+}
 
 
 def with_options(group: dict[str, tuple[object, object]]) -> Callable[[Command], Command]:

@@ -24,16 +24,16 @@ def evaluate(
     errors: Annotated[str, typer.Option()] = "strict",
     **hardware,
 ) -> None:
-    """Held-out loss of a model on a file: nats/token, nats/char, bits/char, bits/byte."""
+    """Held-out loss of a model on a file of any size (read in chunks): nats/token, nats/char, bits/char, bits/byte."""
     from aftgen.api import load
-    from aftgen.data import read_text
-    from aftgen.evaluate import evaluate_text
+    from aftgen.corpus.sources import scan_file
+    from aftgen.evaluate import evaluate_file
 
-    text = read_text(file, encoding, errors)
+    document = scan_file(file, encoding, errors)  # one clear error for anything that is not text, before loading
     where = placement(hardware)
     lm, tokenizer = load(model, where.device)
     with where.autocast():
-        result = evaluate_text(lm, tokenizer, text, reset_every=reset_every)
+        result = evaluate_file(lm, tokenizer, document, encoding, errors, reset_every=reset_every)
     if as_json:
         print(json.dumps(result.to_dict()))
     else:

@@ -83,7 +83,7 @@ def _load_for_generation(model: str | None, load_state: Path | None, compile_ste
 def _prompt_text(prompt: str, prompt_file: Path | None) -> str:
     """--prompt, --prompt - (stdin) or --prompt-file."""
     if prompt_file is not None:
-        from aftgen.data import read_text
+        from aftgen.corpus import read_text
 
         return read_text(prompt_file)
     return sys.stdin.read() if prompt == "-" else prompt
@@ -157,7 +157,7 @@ def prime(
     **hardware,
 ) -> None:
     """Read a text once into a state file that `sample`/`chat --load-state` start from."""
-    from aftgen.data import read_text
+    from aftgen.corpus import read_text
     from aftgen.model import compile_prefill as compiled
     from aftgen.model import tokens_read
     from aftgen.sampling import PROMPT_CHUNK, read_prompt

@@ -11,16 +11,19 @@ from typing import Annotated
 import typer
 
 from aftgen.cli.common import (
+    CORPUS_OPTIONS,
     DATA_PANEL,
     HARDWARE_OPTIONS,
     HARDWARE_PANEL,
     MODEL_PANEL,
     TRAIN_PANEL,
+    CorpusArgument,
     command,
     options_from,
     set_up_torch,
     with_options,
 )
+from aftgen.corpus import CorpusOptions
 from aftgen.training.options import FINE_TUNE_DEFAULTS, FRESH_DEFAULTS, flag
 from aftgen.training.options import TrainOptions as Defaults
 
@@ -34,10 +37,10 @@ def _defaults(name: str) -> str:
     return f" Default: {FRESH_DEFAULTS[name]}; fine-tuning: {FINE_TUNE_DEFAULTS[name]}."
 
 
-@with_options(HARDWARE_OPTIONS)
+@with_options(HARDWARE_OPTIONS | CORPUS_OPTIONS)
 @command
 def train(
-    corpus: Annotated[Path, typer.Argument(help="UTF-8 text file to learn from.")],
+    corpus: CorpusArgument,
     out: Annotated[Path | None, _option("Run folder (default runs/<corpus-stem>).")] = None,
     resume: Annotated[bool, _option("Continue the run in --out where it stopped.")] = Defaults.resume,
     overwrite: Annotated[bool, _option("Replace a run already in --out.")] = Defaults.overwrite,
@@ -93,26 +96,24 @@ def train(
     seed: Annotated[int, _option(None, TRAIN_PANEL)] = Defaults.seed,
     vocab_size: Annotated[int | None, _option("Default: 1024 (fine-tuning: the base model's).", DATA_PANEL)] = None,
     tokenizer_type: Annotated[str | None, _option("bpe | unigram | char (default: bpe).", DATA_PANEL)] = None,
-    encoding: Annotated[str, _option("Text encoding of the corpus.", DATA_PANEL)] = Defaults.encoding,
-    errors: Annotated[str, _option("strict | replace | ignore undecodable bytes.", DATA_PANEL)] = Defaults.errors,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
     compile: Annotated[
         bool,
         _option("torch.compile the training model (falls back to eager).", HARDWARE_PANEL, "--compile/--no-compile"),
     ] = Defaults.compile,
-    **hardware,
+    **shared,
 ) -> None:
-    """Train a tokenizer and a model on a text file; prints the run folder on stdout.
+    """Train a tokenizer and a model on text files and folders (each file a document); prints the run folder.
 
     The same command under `torchrun --nproc_per_node N -m aftgen train ...` trains on N processes.
     """
     from aftgen.training import TrainingInterrupted, TrainOptions
     from aftgen.training import train as run_training
 
-    given = locals() | hardware
+    given = locals() | shared
     options = options_from(TrainOptions, given, command=shlex.join(["aftgen", *sys.argv[1:]]))
     options.check()
-    set_up_torch(hardware["threads"])
+    set_up_torch(shared["threads"])
     main_process = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 prints the run folder
     try:
         run = run_training(options, quiet=quiet)
@@ -122,3 +123,28 @@ def train(
         raise typer.Exit(130) from None
     if main_process:
         print(run)
+
+
+@with_options(CORPUS_OPTIONS)
+@command
+def prepare(
+    corpus: CorpusArgument,
+    vocab_size: Annotated[int, _option(None, DATA_PANEL)] = CorpusOptions.vocab_size,
+    tokenizer_type: Annotated[str, _option("bpe | unigram | char.", DATA_PANEL)] = CorpusOptions.tokenizer_type,
+    workers: Annotated[int | None, typer.Option(help="Encoding processes (default: one per core).")] = None,
+    **shared,
+) -> None:
+    """Prepare a corpus ahead of training (tokenizer, held-out split, token files); prints the cache folder.
+
+    `aftgen train` with the same paths and data options then starts at once: before a torchrun job, for example.
+    """
+    from aftgen.corpus import prepare_corpus
+
+    prepared = prepare_corpus(corpus, options_from(CorpusOptions, locals() | shared))
+    summary = prepared.summary
+    print(
+        f"prepared: {summary['train_tokens']:,} training tokens, {summary['held_out_tokens']:,} held-out tokens, "
+        f"vocabulary {prepared.tokenizer.vocab_size}",
+        file=sys.stderr,
+    )
+    print(prepared.folder)

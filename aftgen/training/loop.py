@@ -9,6 +9,7 @@ model together (see distributed.py).
 from __future__ import annotations
 
 import math
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from aftgen import data, distributed, evaluate
 from aftgen.checkpoint import WEIGHTS, read_weights
+from aftgen.corpus import PreparedCorpus, prepare_corpus
 from aftgen.device import Compiled, Placement, resolve
 from aftgen.distributed import World
 from aftgen.errors import AftgenError
@@ -60,7 +62,7 @@ def _train(options: TrainOptions, placement: Placement, world: World, quiet: boo
     base = BaseModel.find(options.init_from, world) if options.init_from and not options.resume else None
     run = RunFolder(options, world, base.config if base else None)
     with Reporter(quiet or not world.main) as reporter:
-        corpus = _load_corpus(options, run, base, world, reporter.log)
+        corpus = _load_corpus(options, run, base, world, quiet)
         training = _start(options, run, corpus, base, placement, world, reporter.log)
         if base is not None:  # where fine-tuning starts: the base model's score on the new held-out text
             _check_and_save(options, run, corpus, training, 0.0, Meter(), None, reporter, on_eval)
@@ -76,44 +78,43 @@ def _train(options: TrainOptions, placement: Placement, world: World, quiet: boo
 
 @dataclass
 class Corpus:
-    """The tokenized training and held-out text."""
+    """The prepared corpus (aftgen.corpus) and the length of the quick held-out check's windows."""
 
-    tokenizer: Tokenizer
-    train_ids: torch.Tensor  # (tokens,) int32, memory-mapped from the cache
-    held_out_ids: torch.Tensor
-    held_out_text: str
-    eval_length: int  # tokens per window of the quick held-out check
+    prepared: PreparedCorpus
+    eval_length: int
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.prepared.tokenizer
+
+    @property
+    def train_ids(self) -> torch.Tensor:
+        return self.prepared.train_ids
+
+    @property
+    def held_out_ids(self) -> torch.Tensor:
+        return self.prepared.held_out_ids
 
     @property
     def chars_per_token(self) -> float:
-        return len(self.held_out_text) / max(1, len(self.held_out_ids) - 1)
+        return self.prepared.held_out_chars / max(1, len(self.held_out_ids) - 1)
 
 
-def _load_corpus(options, run: RunFolder, base: BaseModel | None, world: World, log: Callable[[str], None]) -> Corpus:
-    """Split the corpus, train (or reuse) the tokenizer and cache the token ids, once per machine."""
-    train_text, held_out_text = data.split_text(data.read_text(options.corpus, options.encoding, options.errors))
-    if options.resume:
-        tokenizer = Tokenizer.load(run.path / "tokenizer.model")
-    elif base is not None:
-        tokenizer = base.tokenizer
-    else:  # trained once, by rank 0, and sent to the others
-        proto = None
-        if world.main:
-            proto = data.cached_tokenizer(train_text, options.vocab_size, options.tokenizer_type, log).model_proto
-        tokenizer = Tokenizer(world.share_bytes(proto))
-    first_on_machine = distributed.local_rank() == 0  # it fills the cache; the others wait, then read it
-    if not first_on_machine:
-        world.barrier()
-    train_ids, held_out_ids = data.cached_ids(train_text, tokenizer), data.cached_ids(held_out_text, tokenizer)
-    if first_on_machine:
-        world.barrier()
+def _load_corpus(options, run: RunFolder, base: BaseModel | None, world: World, quiet: bool) -> Corpus:
+    """The corpus prepared (aftgen.corpus: rank 0 trains the tokenizer unless the run has one, one
+    process per machine writes the token files), checked to hold at least one training sequence."""
+    tokenizer = Tokenizer.load(run.path / "tokenizer.model") if options.resume else base and base.tokenizer
+    log = (lambda _: None) if quiet or not world.main else None
+    prepared = prepare_corpus(options.sources(), options.corpus_options(), log, tokenizer, world)
+    train_tokens, held_out_tokens = len(prepared.train_ids), len(prepared.held_out_ids)
     length = run.settings["context_length"]
-    if len(train_ids) < length + 2 or len(held_out_ids) < 2:
+    if train_tokens < length + 2 or held_out_tokens < 2:
         raise AftgenError(
-            f"{options.corpus}: too small: {len(train_ids)} training tokens, fewer than one sequence of "
-            f"{length + 1}; give it more text or pass a smaller --context-length"
+            f"{shlex.join(map(str, options.sources()))}: too small: {train_tokens} training tokens, fewer than one "
+            f"sequence of {length + 1}; give it more text or pass a smaller --context-length"
         )
-    return Corpus(tokenizer, train_ids, held_out_ids, held_out_text, min(length, len(held_out_ids) - 1))
+    run.held_out = prepared.held_out
+    return Corpus(prepared, min(length, held_out_tokens - 1))
 
 
 def _start(options, run: RunFolder, corpus: Corpus, base, placement: Placement, world: World, log) -> TrainingState:
@@ -292,7 +293,10 @@ def _finish(options: TrainOptions, run: RunFolder, corpus: Corpus, training: Tra
     # Attention's KV cache grows with the stream (quadratic time to read it) and its RoPE positions
     # are untrained past the training length, so attention runs are scored in windows of that length.
     reset_every = model.config.context_length if model.config.mixer == "attention" else 0
-    final = evaluate.evaluate_text(model, corpus.tokenizer, corpus.held_out_text, reset_every=reset_every)
+    held_out = corpus.prepared
+    final = evaluate.evaluate_ids(
+        model, held_out.held_out_ids, held_out.held_out_chars, held_out.held_out_bytes, reset_every
+    )
     run.finish(model, corpus.tokenizer, training.step, training.elapsed, final.to_dict() | {"reset_every": reset_every})
     log(
         f"done: {training.step} steps in {training.elapsed:.0f} s; held-out {final.nats_per_char:.4f} nats/char "

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from aftgen.checkpoint import WEIGHT_DTYPES
+from aftgen.corpus import CorpusOptions
+from aftgen.corpus.split import parse_size
 from aftgen.device import DEVICES, DTYPES
 from aftgen.errors import AftgenError
 from aftgen.mixers import MIXERS
@@ -17,7 +19,6 @@ MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "window", "context_length", "drop
 # What fine-tuning keeps from its base model; dropout, context length, batch and schedule may change.
 ARCHITECTURE = ("n_layer", "n_embd", "n_head", "window", "decay", "mixer", "vocab_size")
 FLAGS = {"n_layer": "--layers", "n_embd": "--width", "n_head": "--heads"}  # options named unlike their field
-ERROR_MODES = ("strict", "replace", "ignore")
 # Options whose default depends on whether the run starts from scratch or fine-tunes a base model
 # (nanoGPT's finetune_shakespeare: a lower learning rate, a short warmup, only the best weights kept).
 # A base model is a few steps from useful: a short warmup, and checks often enough to keep its best.
@@ -35,7 +36,7 @@ def flag(name: str) -> str:
 class TrainOptions:
     """Everything `aftgen train` can be told; None means "from the preset"."""
 
-    corpus: Path
+    corpus: Path | list[Path]  # text files and folders of them, each file a document
     out: Path | None = None
     init_from: str | None = None  # a checkpoint folder or OWNER/NAME[@REV] to fine-tune
     preset: str | None = None
@@ -64,6 +65,9 @@ class TrainOptions:
     tokenizer_type: str | None = None
     encoding: str = "utf-8"
     errors: str = "strict"
+    glob: str = CorpusOptions.glob
+    held_out: int | str = CorpusOptions.held_out  # characters at most, or a size such as "500k"
+    skip_bad_files: bool = False
     resume: bool = False
     overwrite: bool = False
     device: str = "auto"
@@ -74,6 +78,8 @@ class TrainOptions:
     def __post_init__(self) -> None:
         if isinstance(self.max_time, str):
             self.max_time = parse_duration(self.max_time)
+        if isinstance(self.held_out, str):
+            self.held_out = parse_size(self.held_out)
         defaults = FINE_TUNE_DEFAULTS if self.init_from else FRESH_DEFAULTS | FRESH_ONLY
         for name, value in defaults.items():
             if getattr(self, name) is None:
@@ -81,7 +87,16 @@ class TrainOptions:
 
     @property
     def run_folder(self) -> Path:
-        return Path(self.out) if self.out else Path("runs") / Path(self.corpus).stem
+        return Path(self.out) if self.out else Path("runs") / self.sources()[0].stem
+
+    def sources(self) -> list[Path]:
+        return [Path(self.corpus)] if isinstance(self.corpus, (str, Path)) else [Path(p) for p in self.corpus]
+
+    def corpus_options(self) -> CorpusOptions:
+        """How to read and tokenize the corpus (a fine-tuning run's tokenizer is the base model's)."""
+        fresh = {name: getattr(self, name) or FRESH_ONLY[name] for name in ("vocab_size", "tokenizer_type")}
+        names = ("glob", "held_out", "skip_bad_files", "encoding", "errors")
+        return CorpusOptions(**{name: getattr(self, name) for name in names}, **fresh)
 
     def resolved(self, base: AFTConfig | None = None) -> dict:
         """The model's sizes and the batch size: the preset's, or the base model's when fine-tuning,
@@ -116,7 +131,8 @@ class TrainOptions:
 
     def to_dict(self) -> dict:
         """The options as training.json records them."""
-        return {k: v for k, v in asdict(self).items() if k not in ("corpus", "out")} | {"out": str(self.run_folder)}
+        recorded = {k: v for k, v in asdict(self).items() if k not in ("corpus", "out")}
+        return recorded | {"out": str(self.run_folder)}
 
     def check(self) -> None:
         """Refuse out-of-range values before any work is done."""
@@ -131,7 +147,7 @@ class TrainOptions:
         _one_of("--device", self.device.split(":")[0], DEVICES, shown=self.device)
         _one_of("--dtype", self.dtype, ("auto", *DTYPES))
         _one_of("--weights-dtype", self.weights_dtype, tuple(WEIGHT_DTYPES))
-        _one_of("--errors", self.errors, ERROR_MODES)
+        self.corpus_options().check()
         if self.init_from:
             return  # the sizes come from the base model, checked against it once it is read (resolved)
         settings = self.resolved()

@@ -3,6 +3,7 @@ check) and every write to it: checkpoints, the training state, training.json and
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,7 @@ class RunFolder:
         self.path, self.options, self.world = options.run_folder, options, world
         self.settings: dict = {}  # model sizes and batch size
         self.base_model: dict | None = None  # where a fine-tuning run started (BaseModel.describe)
+        self.held_out: dict = {}  # what was held out, exactly (aftgen.corpus)
         self.metrics: list[dict] = []
         self.best: dict | None = None  # {"step", "held_out_nats_per_char"} of the best held-out check
         self.saved_step: int | None = None
@@ -138,7 +140,7 @@ class RunFolder:
         )
 
     def continue_command(self) -> str:
-        return f"aftgen train {self.options.corpus} --out {self.path} --resume"
+        return f"aftgen train {shlex.join(map(str, self.options.sources()))} --out {self.path} --resume"
 
 
 def describe_run(options: TrainOptions, run: RunFolder, model: AFTLM, device: str, world: World) -> dict:
@@ -146,7 +148,8 @@ def describe_run(options: TrainOptions, run: RunFolder, model: AFTLM, device: st
     return {
         "name": Path(run.path).name,
         "command": options.command,
-        "corpus": str(options.corpus),
+        "corpus": [str(source) for source in options.sources()],
+        "held_out": run.held_out,
         "settings": run.settings,
         "options": options.to_dict(),
         "parameters": model.num_parameters(),
