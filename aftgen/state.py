@@ -76,21 +76,7 @@ def load_state(path: Path | str, model: AFTLM, tokenizer: Tokenizer) -> Context:
         tensors = load_safetensors(data)
     except (ValueError, AttributeError, SafetensorError):
         raise AftgenError(f"{path}: not an aftgen state file, or a truncated one") from None
-    if metadata.get("format") != FORMAT:
-        raise AftgenError(f"{path}: not an aftgen state file")
-    if metadata.get("version") != VERSION:
-        raise AftgenError(
-            f"{path}: state file version {metadata.get('version')!r} is not supported (expected {VERSION})"
-        )
-    for what, saved, ours in (
-        ("model weights", metadata.get("weights_sha256"), weights_hash(model)),
-        ("tokenizer", metadata.get("tokenizer_sha256"), tokenizer_hash(tokenizer)),
-    ):
-        if saved != ours:
-            raise AftgenError(
-                f"{path}: this state was saved with different {what} (sha256 {str(saved)[:12]}, this model's "
-                f"{ours[:12]}); continue it with the model that wrote it"
-            )
+    _check_origin(path, metadata, model, tokenizer)
     expected = _expected_tensors(model)
     if set(tensors) != set(expected):
         raise AftgenError(f"{path}: state file does not match this model's layers")
@@ -123,6 +109,25 @@ def load_state(path: Path | str, model: AFTLM, tokenizer: Tokenizer) -> Context:
         recent=recent[recent != NO_TOKEN][None].clone(),
         pending=bytes(tensors["pending"][:pending_length].tolist()),
     )
+
+
+def _check_origin(path: Path, metadata: dict, model: AFTLM, tokenizer: Tokenizer) -> None:
+    """Refuse a file that is not an aftgen state file of this version, or one another model wrote."""
+    if metadata.get("format") != FORMAT:
+        raise AftgenError(f"{path}: not an aftgen state file")
+    if metadata.get("version") != VERSION:
+        raise AftgenError(
+            f"{path}: state file version {metadata.get('version')!r} is not supported (expected {VERSION})"
+        )
+    for what, saved, ours in (
+        ("model weights", metadata.get("weights_sha256"), weights_hash(model)),
+        ("tokenizer", metadata.get("tokenizer_sha256"), tokenizer_hash(tokenizer)),
+    ):
+        if saved != ours:
+            raise AftgenError(
+                f"{path}: this state was saved with different {what} (sha256 {str(saved)[:12]}, this model's "
+                f"{ours[:12]}); continue it with the model that wrote it"
+            )
 
 
 def _expected_tensors(model: AFTLM) -> dict[str, torch.Tensor]:
