@@ -153,15 +153,16 @@ def bench_finetune_command(
     as_json: AsJson = False,
 ) -> None:
     """Fine-tuning a pretrained model against training from scratch, side by side, per corpus size and time."""
-    from aftgen.bench.finetune import bench_finetune, check_corpus
+    from aftgen.bench.finetune import bench_finetune
     from aftgen.bench.report import print_rows
+    from aftgen.corpus.sources import find_files
 
     try:
         chosen = [None if s.strip() == "all" else int(s) for s in sizes.split(",")]
         budgets = [float(s) for s in seconds.split(",")]
     except ValueError:
         raise AftgenError("--sizes takes numbers or 'all', --seconds numbers, each comma-separated") from None
-    files = check_corpus(corpus)
+    files = find_files(corpus)
     set_up_torch()
     progress(f"bench finetune: {base} against from scratch, {len(files)} files")
     print_rows(bench_finetune(base, files, chosen, budgets, log=progress), as_json)

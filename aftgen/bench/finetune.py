@@ -14,7 +14,6 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from aftgen.bench.targets import TARGETS, Row
-from aftgen.errors import AftgenError
 
 ENTRY_SEPARATOR = "\n%\n"  # fortune files: entries separated by '%' lines
 EVAL_INTERVAL = 50  # both runs check often enough for --keep-best to catch a small corpus's best
@@ -74,11 +73,3 @@ def bench_finetune(
                 if size == 50_000 and budget == 60:
                     rows.append(TARGETS["fine-tuning advantage"].judge(gain))
     return rows
-
-
-def check_corpus(paths: list[Path]) -> list[Path]:
-    """Text files, or folders of *.txt files, as a sorted list of files."""
-    files = sorted(f for p in paths for f in ([p] if p.is_file() else p.glob("*.txt")))
-    if not files:
-        raise AftgenError(f"no text files in {', '.join(map(str, paths))}")
-    return files

@@ -12,7 +12,6 @@ import math
 import shlex
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -76,31 +75,7 @@ def _train(options: TrainOptions, placement: Placement, world: World, quiet: boo
     return run.path
 
 
-@dataclass
-class Corpus:
-    """The prepared corpus (aftgen.corpus) and the length of the quick held-out check's windows."""
-
-    prepared: PreparedCorpus
-    eval_length: int
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.prepared.tokenizer
-
-    @property
-    def train_ids(self) -> torch.Tensor:
-        return self.prepared.train_ids
-
-    @property
-    def held_out_ids(self) -> torch.Tensor:
-        return self.prepared.held_out_ids
-
-    @property
-    def chars_per_token(self) -> float:
-        return self.prepared.held_out_chars / max(1, len(self.held_out_ids) - 1)
-
-
-def _load_corpus(options, run: RunFolder, base: BaseModel | None, world: World, quiet: bool) -> Corpus:
+def _load_corpus(options, run: RunFolder, base: BaseModel | None, world: World, quiet: bool) -> PreparedCorpus:
     """The corpus prepared (aftgen.corpus: rank 0 trains the tokenizer unless the run has one, one
     process per machine writes the token files), checked to hold at least one training sequence."""
     tokenizer = Tokenizer.load(run.path / "tokenizer.model") if options.resume else base and base.tokenizer
@@ -114,10 +89,12 @@ def _load_corpus(options, run: RunFolder, base: BaseModel | None, world: World, 
             f"sequence of {length + 1}; give it more text or pass a smaller --context-length"
         )
     run.held_out = prepared.held_out
-    return Corpus(prepared, min(length, held_out_tokens - 1))
+    return prepared
 
 
-def _start(options, run: RunFolder, corpus: Corpus, base, placement: Placement, world: World, log) -> TrainingState:
+def _start(
+    options, run: RunFolder, corpus: PreparedCorpus, base, placement: Placement, world: World, log
+) -> TrainingState:
     """The model, optimiser and batch generator: fresh from the seed, from a base model's weights
     (the optimiser still fresh), or restored from the run folder."""
     torch.manual_seed(options.seed)
@@ -238,10 +215,11 @@ def _step(trainer, training: TrainingState, scaler, inputs, targets, placement: 
     return loss.item()
 
 
-def _held_out_nats_per_char(options: TrainOptions, corpus: Corpus, model: AFTLM) -> float:
-    """The quick held-out check: evenly spaced windows of the training length."""
-    loss = evaluate.window_loss(model, corpus.held_out_ids, corpus.eval_length, options.eval_windows)
-    return loss / corpus.chars_per_token
+def _held_out_nats_per_char(options: TrainOptions, corpus: PreparedCorpus, model: AFTLM) -> float:
+    """The quick held-out check: evenly spaced windows of the training length (or all of a shorter text)."""
+    ids = corpus.held_out_ids
+    length, chars_per_token = min(model.config.context_length, len(ids) - 1), corpus.held_out_chars / (len(ids) - 1)
+    return evaluate.window_loss(model, ids, length, options.eval_windows) / chars_per_token
 
 
 def _check_and_save(options, run, corpus, training, elapsed, meter, lr, reporter, on_eval) -> None:
@@ -272,7 +250,9 @@ def _check_and_save(options, run, corpus, training, elapsed, meter, lr, reporter
     meter.reset()
 
 
-def _final_save(options, run: RunFolder, corpus: Corpus, training: TrainingState, stopped_by: str | None) -> None:
+def _final_save(
+    options, run: RunFolder, corpus: PreparedCorpus, training: TrainingState, stopped_by: str | None
+) -> None:
     """The last checkpoint; with keep_best, checked first unless the last step was just checked."""
     last_checked = bool(run.metrics) and run.metrics[-1]["step"] == training.step
     improved = False
@@ -281,7 +261,7 @@ def _final_save(options, run: RunFolder, corpus: Corpus, training: TrainingState
     run.save(training, corpus.tokenizer, training.elapsed, improved)
 
 
-def _finish(options: TrainOptions, run: RunFolder, corpus: Corpus, training: TrainingState, log) -> None:
+def _finish(options: TrainOptions, run: RunFolder, corpus: PreparedCorpus, training: TrainingState, log) -> None:
     """Score the published weights (the best ones with keep_best, at their stored precision) on all of
     the held-out text, and put the score in the card and training.json."""
     model = training.model.eval()
@@ -293,10 +273,7 @@ def _finish(options: TrainOptions, run: RunFolder, corpus: Corpus, training: Tra
     # Attention's KV cache grows with the stream (quadratic time to read it) and its RoPE positions
     # are untrained past the training length, so attention runs are scored in windows of that length.
     reset_every = model.config.context_length if model.config.mixer == "attention" else 0
-    held_out = corpus.prepared
-    final = evaluate.evaluate_ids(
-        model, held_out.held_out_ids, held_out.held_out_chars, held_out.held_out_bytes, reset_every
-    )
+    final = evaluate.evaluate_ids(model, corpus.held_out_ids, corpus.held_out_chars, corpus.held_out_bytes, reset_every)
     run.finish(model, corpus.tokenizer, training.step, training.elapsed, final.to_dict() | {"reset_every": reset_every})
     log(
         f"done: {training.step} steps in {training.elapsed:.0f} s; held-out {final.nats_per_char:.4f} nats/char "
