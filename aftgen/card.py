@@ -33,8 +33,10 @@ def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str =
     base = info.get("base_model")
     if base:
         lines.append(f"| fine-tuned from | {base['model']} (weights sha256 {base['weights_sha256'][:12]}) |")
-    best = info.get("best")
-    if best and info.get("options", {}).get("keep_best"):
+    best, options = info.get("best"), info.get("options", {})
+    if options.get("ema"):
+        lines.append(f"| weights | an exponential moving average of the training weights, decay {options['ema']} |")
+    if best and options.get("keep_best"):
         lines.append(f"| weights kept | step {best['step']}: the best held-out check during training |")
     if final:
         lines.append(

@@ -176,10 +176,16 @@ def safetensors_metadata(source: Path | str | bytes) -> dict[str, str]:
 # --- Training state -------------------------------------------------------------------------------
 
 
-def save_training_state(folder: Path, model: AFTLM, optimizer: torch.optim.Optimizer, generator, info: dict) -> None:
-    """Model, optimiser moments and random states in one safetensors file (one atomic write, no pickle)."""
+def save_training_state(
+    folder: Path, model: AFTLM, optimizer: torch.optim.Optimizer, generator, info: dict, average: AFTLM | None = None
+) -> None:
+    """Model, optimiser moments, random states and the weight average if there is one, in one safetensors
+    file (one atomic write, no pickle)."""
     opt = optimizer.state_dict()
-    tensors = {f"model.{k}": v.detach().float().contiguous() for k, v in model.state_dict().items()}
+    models = {"model": model} | ({"average": average} if average is not None else {})
+    tensors = {
+        f"{name}.{k}": v.detach().float().contiguous() for name, m in models.items() for k, v in m.state_dict().items()
+    }
     for index, slots in opt["state"].items():
         for key, value in slots.items():
             tensors[f"optimizer.{index}.{key}"] = torch.as_tensor(value).float().contiguous()
@@ -204,13 +210,18 @@ def read_training_info(folder: Path) -> tuple[dict, list]:
         raise _bad_training_state(path, exc) from None
 
 
-def load_training_state(folder: Path, model: AFTLM, optimizer: torch.optim.Optimizer, generator) -> dict:
-    """Restore what save_training_state wrote, in place; return the run's description."""
+def load_training_state(
+    folder: Path, model: AFTLM, optimizer: torch.optim.Optimizer, generator, average: AFTLM | None = None
+) -> dict:
+    """Restore what save_training_state wrote, in place; return the run's description. An average the
+    file lacks (the run had none so far) starts from the restored weights."""
     path = folder / TRAINING_STATE
     info, groups = read_training_info(folder)
     try:
         tensors = load_safetensors(path.read_bytes())
-        model.load_state_dict({k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")})
+        model.load_state_dict(_prefixed(tensors, "model."))
+        if average is not None:
+            average.load_state_dict(_prefixed(tensors, "average.") or model.state_dict())
         state: dict[int, dict] = {}
         for name, value in tensors.items():
             if name.startswith("optimizer."):
@@ -224,6 +235,10 @@ def load_training_state(folder: Path, model: AFTLM, optimizer: torch.optim.Optim
     except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise _bad_training_state(path, exc) from None
     return info
+
+
+def _prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {name[len(prefix) :]: value for name, value in tensors.items() if name.startswith(prefix)}
 
 
 def write_run_info(folder: Path, info: dict) -> None:

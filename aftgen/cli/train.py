@@ -79,6 +79,13 @@ def train(
     warmup_steps: Annotated[int | None, _option(_defaults("warmup_steps"), TRAIN_PANEL)] = None,
     weight_decay: Annotated[float, _option(None, TRAIN_PANEL)] = Defaults.weight_decay,
     grad_clip: Annotated[float, _option(None, TRAIN_PANEL)] = Defaults.grad_clip,
+    ema: Annotated[
+        float,
+        _option(
+            "Check and publish an exponential moving average of the weights with this decay (e.g. 0.995); 0: off.",
+            TRAIN_PANEL,
+        ),
+    ] = Defaults.ema,
     eval_interval: Annotated[
         int | None, _option("Steps between held-out evals and checkpoints." + _defaults("eval_interval"), TRAIN_PANEL)
     ] = None,

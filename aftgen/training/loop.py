@@ -24,6 +24,7 @@ from aftgen.distributed import World
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.tokenizer import Tokenizer
+from aftgen.training.averaging import WeightAverage
 from aftgen.training.base import BaseModel
 from aftgen.training.optimizer import learning_rate, make_optimizer, set_learning_rate
 from aftgen.training.options import MODEL_FIELDS, TrainOptions
@@ -106,6 +107,8 @@ def _start(
         log(f"fine-tuning {base.spec} ({model.num_parameters():,} parameters)")
     model = model.to(placement.device)
     training = TrainingState(model, make_optimizer(model, options), torch.Generator().manual_seed(options.seed))
+    if options.ema:
+        training.average = WeightAverage(model, options.ema)
     if options.resume:
         run.resume(training)
         log(f"resuming {run.path} at step {training.step}")
@@ -212,6 +215,8 @@ def _step(trainer, training: TrainingState, scaler, inputs, targets, placement: 
     scaler.step(optimizer)
     scaler.update()
     training.step += 1
+    if training.average:
+        training.average.update(model, training.step)
     return loss.item()
 
 
@@ -227,7 +232,7 @@ def _check_and_save(options, run, corpus, training, elapsed, meter, lr, reporter
     world = run.world
     train_loss = world.sum([meter.mean_loss()])[0] / world.size if meter.steps else None  # over the global batch
     if world.main:
-        held_out = _held_out_nats_per_char(options, corpus, training.model)
+        held_out = _held_out_nats_per_char(options, corpus, training.published)
         row = {
             "step": training.step,
             "elapsed": round(elapsed, 2),
@@ -237,9 +242,13 @@ def _check_and_save(options, run, corpus, training, elapsed, meter, lr, reporter
             "tokens_per_s": round(meter.tokens_per_s(), 1),
             "lr": lr,
         }
+        if training.average:  # how much the average gains over the weights it averages
+            row["raw_weights_held_out_nats_per_char"] = _held_out_nats_per_char(options, corpus, training.model)
         improved = run.record(row)
         trained = f"train loss {train_loss:.4f}, " if train_loss is not None else "before training: "
         speed = f", {row['tokens_per_s']:,.0f} tok/s" if meter.steps else ""
+        if training.average:
+            speed = f" (raw weights {row['raw_weights_held_out_nats_per_char']:.4f})" + speed
         reporter.log(
             f"step {training.step}: {trained}held-out {held_out:.4f} nats/char "
             f"({row['held_out_bits_per_char']:.4f} bits/char){speed}"
@@ -257,7 +266,7 @@ def _final_save(
     last_checked = bool(run.metrics) and run.metrics[-1]["step"] == training.step
     improved = False
     if options.keep_best and run.world.main and not stopped_by and not last_checked:
-        improved = run.is_best(training.step, _held_out_nats_per_char(options, corpus, training.model))
+        improved = run.is_best(training.step, _held_out_nats_per_char(options, corpus, training.published))
     run.save(training, corpus.tokenizer, training.elapsed, improved)
 
 

@@ -27,6 +27,7 @@ from aftgen.errors import AftgenError
 from aftgen.files import prepare_folder
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.tokenizer import Tokenizer
+from aftgen.training.averaging import WeightAverage
 from aftgen.training.options import TrainOptions
 
 
@@ -39,6 +40,12 @@ class TrainingState:
     generator: torch.Generator  # draws the batches
     step: int = 0
     elapsed: float = 0.0  # seconds trained so far, by this process and before it (resume)
+    average: WeightAverage | None = None  # with --ema: the weights checked and published
+
+    @property
+    def published(self) -> AFTLM:
+        """The weights the held-out checks score and the checkpoint holds: the average, if one is kept."""
+        return self.average.model if self.average else self.model
 
 
 class RunFolder:
@@ -79,7 +86,8 @@ class RunFolder:
 
     def resume(self, training: TrainingState) -> None:
         """Restore the weights, optimiser, random states, step and clock saved in the folder."""
-        info = load_training_state(self.path, training.model, training.optimizer, training.generator)
+        average = training.average and training.average.model
+        info = load_training_state(self.path, training.model, training.optimizer, training.generator, average)
         training.step, training.elapsed = info["step"], info["elapsed"]
         self.saved_step = training.step
 
@@ -111,9 +119,10 @@ class RunFolder:
         if not all(torch.isfinite(p).all() for p in training.model.parameters()):
             raise self.diverged("the weights", training.step)  # never replace good weights with broken ones
         info = self.info(training.step, elapsed)
-        save_training_state(self.path, training.model, training.optimizer, training.generator, info)
+        average = training.average and training.average.model
+        save_training_state(self.path, training.model, training.optimizer, training.generator, info, average)
         if improved or not self.options.keep_best or not is_checkpoint(self.path):
-            self.publish(training.model, tokenizer, info)
+            self.publish(training.published, tokenizer, info)
         write_run_info(self.path, info)
         self.saved_step = training.step
 
