@@ -227,6 +227,13 @@ class AFTLM(nn.Module):
             x = block.step(x, layer_state)
         return self._logits(x), state
 
+    def rephase(self, state: ModelState, from_position: int, to_position: int) -> ModelState:
+        """The same state read as if at `to_position`, layer by layer (Mixer.rephase): a new state."""
+        return [
+            block.mixer.rephase(layer, from_position, to_position)
+            for block, layer in zip(self.blocks, state, strict=True)
+        ]
+
 
 def clone_state(state: ModelState) -> ModelState:
     """An independent copy of a state."""

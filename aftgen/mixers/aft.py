@@ -79,6 +79,19 @@ def empty_state(batch: int, heads: int, head_dim: int, window: int, device=None)
     }
 
 
+def rephase_state(state: MixerState, from_position: int, to_position: int) -> MixerState:
+    """The same state read as if at `to_position`: the window's ring buffers rotated so that token g still
+    sits in slot g mod s, and the position set. Rows at different positions can then step together."""
+    moved = dict(state)
+    window = state["window_k"].shape[1]  # (B, s, H, D)
+    if window:
+        shift = (to_position - from_position) % window
+        for name in ("window_k", "window_v"):
+            moved[name] = torch.roll(state[name], shift, dims=1)
+    moved["position"] = torch.tensor(to_position, dtype=torch.long, device=state["window_k"].device)
+    return moved
+
+
 def aft_step(q, k, v, w: torch.Tensor, decay: torch.Tensor, state: MixerState) -> torch.Tensor:
     """y (B, H, D) of one more token, q, k, v (B, H, D), updating `state` in place: O(s D) work.
 
@@ -248,6 +261,9 @@ class AFTMixer(torch.nn.Module):
             w, decay = soft_cap(self.w), self.decay()
             y, state = aft_parallel(q, k, v, w, decay, self.chunk, state, return_state, last_only)
         return self.proj(y.to(x.dtype).flatten(-2)), state
+
+    def rephase(self, state: MixerState, from_position: int, to_position: int) -> MixerState:
+        return rephase_state(state, from_position, to_position)
 
     def step(self, x: torch.Tensor, state: MixerState) -> torch.Tensor:
         q, k, v = self._qkv(x)  # (B, H, D)

@@ -31,3 +31,8 @@ class Mixer(Protocol):
     def initial_state(self, batch_size: int, device: torch.device | None = None) -> MixerState:
         """The state before any token."""
         ...
+
+    def rephase(self, state: MixerState, from_position: int, to_position: int) -> MixerState:
+        """The same state read as if `to_position` tokens had been read instead of `from_position`, so that
+        sequences of different lengths can step in one batch (ValueError where the state cannot)."""
+        ...

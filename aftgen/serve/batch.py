@@ -4,8 +4,8 @@ Every AFT state has the same shape whatever its history, so rows stack, except f
 layer's window is a ring buffer (token g sits in slot g mod s) addressed by a `position` that the
 whole batch shares. Sequences that have read different numbers of tokens are at different phases of
 their rings. Only the phase matters to the step (the prefix sums do not depend on the position), so
-a joining row's window is rotated to the batch's phase, and rotated back when it leaves, with its
-own position restored. The step itself is the library's, unchanged.
+a joining row's state is rephased to the batch's position (`AFTLM.rephase`: the mixer rotates its
+window), and back when it leaves. The step itself is the library's, unchanged.
 
 The rows live in buffers allocated once for `capacity` sequences: joining copies one row in, leaving
 moves the last row into the gap. Nothing is reallocated as requests come and go, so memory holds
@@ -17,23 +17,6 @@ from __future__ import annotations
 import torch
 
 from aftgen.model import AFTLM, ModelState
-
-RING_BUFFERS = ("window_k", "window_v")  # (B, s, H, D), token g at slot g mod s (aftgen.mixer.aft_step)
-
-
-def rephase(state: ModelState, from_position: int, to_position: int) -> ModelState:
-    """The same state with every window rotated so that it reads as if at `to_position` (positions set too)."""
-    moved = []
-    for layer in state:
-        layer = dict(layer)
-        window = layer[RING_BUFFERS[0]].shape[1]
-        if window:
-            shift = (to_position - from_position) % window
-            for name in RING_BUFFERS:
-                layer[name] = torch.roll(layer[name], shift, dims=1)
-        layer["position"] = torch.tensor(to_position, dtype=torch.long, device=layer[RING_BUFFERS[0]].device)
-        moved.append(layer)
-    return moved
 
 
 class Batch:
@@ -67,7 +50,7 @@ class Batch:
             if not self.rows:
                 self.position = position
             row = len(self.rows)
-            for buffers, layer in zip(self.buffers, rephase(state, position, self.position), strict=True):
+            for buffers, layer in zip(self.buffers, self.model.rephase(state, position, self.position), strict=True):
                 for name, buffer in buffers.items():
                     buffer[row].copy_(layer[name][0])
             self.rows.append(owner)
@@ -78,7 +61,7 @@ class Batch:
         row = self.rows.index(owner)
         own = self.position - self.offsets[row]
         single = [{name: buffer[row : row + 1].clone() for name, buffer in layer.items()} for layer in self.buffers]
-        return rephase(single, self.position, own), own
+        return self.model.rephase(single, self.position, own), own
 
     def remove(self, owners: list[object]) -> None:
         """Take these rows out; the last row moves into each gap."""
@@ -98,7 +81,7 @@ class Batch:
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (in `rows` order), tokens (B,); returns logits (B, vocab)."""
-        count, device = len(self.rows), self.buffers[0][RING_BUFFERS[0]].device
+        count, device = len(self.rows), self.model.embed.weight.device
         state = [
             {name: buffer[:count] for name, buffer in layer.items()}
             | {"position": torch.tensor(self.position, dtype=torch.long, device=device)}
