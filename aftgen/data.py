@@ -61,12 +61,3 @@ def batch(
     if isinstance(ids, TokenFile) and ids.large:
         ids.release()  # the rows are copies (nanoGPT maps its token file afresh for each batch for the same reason)
     return rows[:, :-1], rows[:, 1:]
-
-
-def add_input_noise(inputs: torch.Tensor, rate: float, vocab_size: int) -> torch.Tensor:
-    """inputs (B, T) with each token replaced by a uniformly random one with probability `rate`; the
-    targets stay clean, so the model learns not to lean on any single token of its context (a
-    regulariser for small corpora, like AWD-LSTM's embedding dropout). Draws from torch's global
-    generator, which dropout shares and the training state saves."""
-    replace = torch.rand(inputs.shape) < rate  # (B, T)
-    return torch.where(replace, torch.randint(0, vocab_size, inputs.shape), inputs)

@@ -134,20 +134,6 @@ def test_ema_checks_and_publishes_the_average(tmp_path, corpus, tiny_run):
     assert "moving average of the training weights, decay 0.9" in (out / "README.md").read_text()
 
 
-def test_input_noise_replaces_that_fraction_of_tokens_at_random():
-    from aftgen.data import add_input_noise
-
-    torch.manual_seed(0)
-    inputs = torch.randint(0, 50, (64, 512))
-    assert torch.equal(add_input_noise(inputs, 0.0, 50), inputs)
-    noisy = add_input_noise(inputs, 0.25, 50)
-    changed = (noisy != inputs).float().mean().item()
-    assert changed == pytest.approx(0.25 * 49 / 50, abs=0.01)  # a random token may draw the same one
-    assert noisy.min() >= 0 and noisy.max() < 50
-    counts = torch.bincount(noisy[noisy != inputs], minlength=50).float()  # replacements: uniform over the vocabulary
-    assert counts.min() > 0.7 * counts.mean() and counts.max() < 1.3 * counts.mean()
-
-
 class TickingClock:
     """time.monotonic for the training loop that moves 10 ms a call: a wall-time budget, run deterministically."""
 

@@ -79,10 +79,6 @@ def train(
     warmup_steps: Annotated[int | None, _option(_defaults("warmup_steps"), TRAIN_PANEL)] = None,
     weight_decay: Annotated[float, _option(None, TRAIN_PANEL)] = Defaults.weight_decay,
     grad_clip: Annotated[float, _option(None, TRAIN_PANEL)] = Defaults.grad_clip,
-    input_noise: Annotated[
-        float,
-        _option("Replace this fraction of input tokens with random ones while training (targets stay).", TRAIN_PANEL),
-    ] = Defaults.input_noise,
     ema: Annotated[
         float,
         _option(

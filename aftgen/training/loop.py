@@ -188,8 +188,6 @@ def _loop(options, run, corpus, training, placement, world, reporter, on_eval) -
             lr = learning_rate(options, training.step, progress)
             set_learning_rate(training.optimizer, lr)
             inputs, targets = data.batch(corpus.train_ids, batch_size, length, training.generator, *world.slot)
-            if options.input_noise:
-                inputs = data.add_input_noise(inputs, options.input_noise, corpus.tokenizer.vocab_size)
             loss = _step(trainer, training, scaler, inputs, targets, placement, options.grad_clip, run)
             meter.add(loss, inputs.numel() * world.size)
             reporter.update(training.step, progress, meter.status())

@@ -54,7 +54,6 @@ class TrainOptions:
     weight_decay: float = 0.1
     warmup_steps: int | None = None
     grad_clip: float = 1.0
-    input_noise: float = 0.0  # fraction of input tokens replaced by random ones while training
     ema: float = 0.0  # decay of the weight average that is checked and published; 0: the raw weights
     max_steps: int = 5000
     max_time: float | str | None = None  # seconds, or a duration such as "10m"
@@ -144,10 +143,6 @@ class TrainOptions:
         for name in ("warmup_steps", "weight_decay", "grad_clip"):
             if not getattr(self, name) >= 0:
                 raise AftgenError(f"{flag(name)} must not be negative, got {getattr(self, name)}")
-        if not 0 <= self.input_noise < 1:
-            raise AftgenError(
-                f"--input-noise must be in [0, 1) (a fraction of tokens; 0 turns it off), got {self.input_noise}"
-            )
         if not 0 <= self.ema < 1:
             raise AftgenError(f"--ema must be in [0, 1) (0 turns it off; 0.99 to 0.999 are usual), got {self.ema}")
         if self.max_time is not None and not self.max_time > 0:
