@@ -242,16 +242,16 @@ def _check_and_save(options, run, corpus, training, elapsed, meter, lr, reporter
             "tokens_per_s": round(meter.tokens_per_s(), 1),
             "lr": lr,
         }
+        raw = ""
         if training.average:  # how much the average gains over the weights it averages
             row["raw_weights_held_out_nats_per_char"] = _held_out_nats_per_char(options, corpus, training.model)
+            raw = f" (raw weights {row['raw_weights_held_out_nats_per_char']:.4f})"
         improved = run.record(row)
         trained = f"train loss {train_loss:.4f}, " if train_loss is not None else "before training: "
         speed = f", {row['tokens_per_s']:,.0f} tok/s" if meter.steps else ""
-        if training.average:
-            speed = f" (raw weights {row['raw_weights_held_out_nats_per_char']:.4f})" + speed
         reporter.log(
             f"step {training.step}: {trained}held-out {held_out:.4f} nats/char "
-            f"({row['held_out_bits_per_char']:.4f} bits/char){speed}"
+            f"({row['held_out_bits_per_char']:.4f} bits/char){raw}{speed}"
         )
         if on_eval:
             on_eval(row)

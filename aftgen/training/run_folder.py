@@ -43,6 +43,11 @@ class TrainingState:
     average: WeightAverage | None = None  # with --ema: the weights checked and published
 
     @property
+    def averaged(self) -> AFTLM | None:
+        """The averaged weights, with --ema."""
+        return self.average.model if self.average else None
+
+    @property
     def published(self) -> AFTLM:
         """The weights the held-out checks score and the checkpoint holds: the average, if one is kept."""
         return self.average.model if self.average else self.model
@@ -86,8 +91,7 @@ class RunFolder:
 
     def resume(self, training: TrainingState) -> None:
         """Restore the weights, optimiser, random states, step and clock saved in the folder."""
-        average = training.average and training.average.model
-        info = load_training_state(self.path, training.model, training.optimizer, training.generator, average)
+        info = load_training_state(self.path, training.model, training.optimizer, training.generator, training.averaged)
         training.step, training.elapsed = info["step"], info["elapsed"]
         self.saved_step = training.step
 
@@ -119,8 +123,7 @@ class RunFolder:
         if not all(torch.isfinite(p).all() for p in training.model.parameters()):
             raise self.diverged("the weights", training.step)  # never replace good weights with broken ones
         info = self.info(training.step, elapsed)
-        average = training.average and training.average.model
-        save_training_state(self.path, training.model, training.optimizer, training.generator, info, average)
+        save_training_state(self.path, training.model, training.optimizer, training.generator, info, training.averaged)
         if improved or not self.options.keep_best or not is_checkpoint(self.path):
             self.publish(training.published, tokenizer, info)
         write_run_info(self.path, info)
