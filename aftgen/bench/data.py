@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aftgen.bench.targets import TARGETS, Row
+from aftgen.corpus.sources import find_files
 from aftgen.errors import AftgenError
 
 TRAIN_STEPS = 10
@@ -51,10 +52,9 @@ def _first(lines: list[tuple[float, str]], prefix: str) -> float:
     raise AftgenError(f"benchmark: no '{prefix}' line in the training output")
 
 
-def bench_corpus(corpus: Path, steps: int, log: Callable[[str], None]) -> list[Row]:
-    """Prepare `corpus` in an empty cache, then train on it: the rows of one corpus."""
+def bench_corpus(corpus: Path, megabytes: float, steps: int, log: Callable[[str], None]) -> list[Row]:
+    """Prepare `corpus` (`megabytes` of text) in an empty cache, then train on it: the rows of one corpus."""
     aftgen = [sys.executable, "-m", "aftgen"]
-    megabytes = sum(p.stat().st_size for p in ([corpus] if corpus.is_file() else corpus.rglob("*"))) / 1e6
     with tempfile.TemporaryDirectory(prefix="aftgen-bench-data-") as folder:
         env = {**os.environ, "AFTGEN_CACHE": folder}
         log(f"{corpus}: {megabytes:,.1f} MB; load average {os.getloadavg()[0]:.2f}; aftgen prepare ...")
@@ -85,10 +85,9 @@ def bench_data(corpora: list[Path], steps: int = TRAIN_STEPS, log: Callable[[str
     """Rows for each corpus in turn; with several, how far apart their peak memories are."""
     if steps < 1:
         raise AftgenError(f"--steps must be >= 1, got {steps}")
-    for corpus in corpora:
-        if not corpus.exists():
-            raise AftgenError(f"{corpus}: no such file or folder")
-    rows = [row for corpus in corpora for row in bench_corpus(corpus, steps, log)]
+    # The files aftgen reads (folders: *.txt, hidden ones left out), found before any work: a bad path is one error.
+    sizes = {corpus: sum(path.stat().st_size for path in find_files([corpus])) / 1e6 for corpus in corpora}
+    rows = [row for corpus, megabytes in sizes.items() for row in bench_corpus(corpus, megabytes, steps, log)]
     rows.append(_row("load average (1 min) at the end", os.getloadavg()[0], ""))
     for phase in ("prepare", "train") if len(corpora) > 1 else ():
         peaks = [row["value"] for row in rows if row["measure"] == f"{phase}: peak RSS"]
