@@ -340,6 +340,8 @@ OPTION_CASES = [
     (["--weights-dtype", "fp8"], "unknown --weights-dtype 'fp8'"),
     (["--eval-windows", "0"], "--eval-windows must be positive"),
     (["--ema", "1"], r"--ema must be in \[0, 1\)"),
+    (["--patience", "3"], "--patience needs --keep-best"),
+    (["--patience", "-1", "--keep-best"], "--patience must not be negative"),
 ]
 
 

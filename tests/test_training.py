@@ -76,6 +76,16 @@ def test_keep_best_checks_the_last_step_and_survives_resume(tmp_path, corpus, ti
     assert all(torch.equal(before[name], after[name]) for name in before)
 
 
+def test_patience_stops_after_checks_without_a_new_best(tmp_path, corpus, tiny_run, monkeypatch):
+    # evals every 2 steps: step 4 is best, steps 6 and 8 miss it, so patience 2 ends the run at step 8
+    scripted_held_out(monkeypatch, [3.0, 2.0, 2.5, 2.6])
+    out = train_tiny(corpus, tmp_path / "run", keep_best=True, patience=2, max_steps=40, eval_interval=2)
+    info = json.loads((out / TRAINING_INFO).read_text())
+    assert info["step"] == 8 and info["best"]["step"] == 4
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [2, 4, 6, 8]
+    assert "final_eval" in info  # a finished run, scored like one that spent its budget
+
+
 @pytest.mark.parametrize("stored", ["fp16", "bf16"])
 def test_half_precision_weights_halve_the_file_and_load_as_fp32(tmp_path, corpus, tiny_run, stored):
     full = train_tiny(corpus, tmp_path / "fp32", max_steps=4)

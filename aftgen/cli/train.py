@@ -97,6 +97,13 @@ def train(
             TRAIN_PANEL,
         ),
     ] = None,
+    patience: Annotated[
+        int,
+        _option(
+            "Stop after this many held-out evals without a new best (needs --keep-best); 0: run the whole budget.",
+            TRAIN_PANEL,
+        ),
+    ] = Defaults.patience,
     weights_dtype: Annotated[
         str, _option("fp32 | fp16 | bf16: precision of model.safetensors (fp16 halves it).", TRAIN_PANEL)
     ] = Defaults.weights_dtype,

@@ -166,7 +166,8 @@ class Meter:
 
 
 def _loop(options, run, corpus, training, placement, world, reporter, on_eval) -> str | None:
-    """Train until the step or time budget is spent; returns what stopped it early, if anything did."""
+    """Train until the step or time budget is spent, or --patience runs out; returns the signal that
+    interrupted it, if one did."""
     trainer = world.wrap(training.model)
     if options.compile:
         trainer = Compiled(trainer, lambda why: reporter.log(f"warning: --compile failed ({why}); running eagerly"))
@@ -193,9 +194,21 @@ def _loop(options, run, corpus, training, placement, world, reporter, on_eval) -
             reporter.update(training.step, progress, meter.status())
             if training.step % options.eval_interval == 0:
                 _check_and_save(options, run, corpus, training, clock.elapsed(), meter, lr, reporter, on_eval)
+                if _out_of_patience(options, run, world, reporter.log):
+                    break
         training.elapsed = clock.elapsed()
         _final_save(options, run, corpus, training, stopped_by)
     return stopped_by
+
+
+def _out_of_patience(options: TrainOptions, run: RunFolder, world: World, log) -> bool:
+    """Whether the last `patience` held-out checks all missed the best (rank 0 keeps the score, so it decides)."""
+    if not options.patience:
+        return False
+    spent = world.sum([float(world.main and run.checks_since_best() >= options.patience)])[0] > 0
+    if spent and world.main:
+        log(f"stopping early: {options.patience} held-out checks since the best one (step {run.best['step']})")
+    return spent
 
 
 def _step(trainer, training: TrainingState, scaler, inputs, targets, placement: Placement, grad_clip, run) -> float:

@@ -60,6 +60,7 @@ class TrainOptions:
     eval_interval: int | None = None
     eval_windows: int = 32
     keep_best: bool | None = None
+    patience: int = 0  # stop after this many held-out checks without a new best; 0: run the whole budget
     weights_dtype: str = "fp32"
     seed: int = 1337
     vocab_size: int | None = None
@@ -140,11 +141,13 @@ class TrainOptions:
         for name in ("lr", "max_steps", "eval_interval", "eval_windows", "vocab_size"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise AftgenError(f"{flag(name)} must be positive, got {getattr(self, name)}")
-        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "patience"):
             if not getattr(self, name) >= 0:
                 raise AftgenError(f"{flag(name)} must not be negative, got {getattr(self, name)}")
         if not 0 <= self.ema < 1:
             raise AftgenError(f"--ema must be in [0, 1) (0 turns it off; 0.99 to 0.999 are usual), got {self.ema}")
+        if self.patience and not self.keep_best:
+            raise AftgenError("--patience needs --keep-best, so that the run publishes the best weights, not the last")
         if self.max_time is not None and not self.max_time > 0:
             raise AftgenError(f"--max-time must be positive, got {self.max_time}")
         _one_of("--device", self.device.split(":")[0], DEVICES, shown=self.device)

@@ -108,6 +108,10 @@ class RunFolder:
         self.best = {"step": step, "held_out_nats_per_char": held_out_nats_per_char}
         return True
 
+    def checks_since_best(self) -> int:
+        """Held-out checks after the best one (0 when the last check was the best)."""
+        return sum(row["step"] > self.best["step"] for row in self.metrics) if self.best else 0
+
     def info(self, step: int, elapsed: float) -> dict:
         progress = {"step": step, "elapsed": elapsed, "best": self.best}
         return self.description | ({"base_model": self.base_model} if self.base_model else {}) | progress
