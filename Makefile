@@ -28,7 +28,7 @@ lint: install
 SHAKESPEARE ?= ../shared/data/tinyshakespeare.txt
 default-model: install
 	$(VENV)/bin/aftgen train $(SHAKESPEARE) --out runs/shakespeare --overwrite --preset medium --vocab-size 1536 \
-		--dropout 0.35 --weight-decay 0.3 --lr 1e-3 --warmup-steps 150 --max-steps 2400 --ema 0.995 \
+		--dropout 0.35 --weight-decay 0.3 --lr 1.5e-3 --warmup-steps 150 --max-steps 2400 --ema 0.995 \
 		--eval-interval 100 --eval-windows 200 --keep-best --patience 3 --dtype bf16 --weights-dtype fp16
 	mkdir -p models/shakespeare
 	cp runs/shakespeare/config.json runs/shakespeare/model.safetensors runs/shakespeare/tokenizer.model \
