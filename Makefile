@@ -20,7 +20,7 @@ lint: install
 	$(VENV)/bin/ruff check aftgen tests
 	$(VENV)/bin/ruff format --check aftgen tests
 
-# The shipped model: trained with aftgen itself on Tiny Shakespeare (about 45 minutes on 2 CPU cores,
+# The shipped model: trained with aftgen itself on Tiny Shakespeare (about 35 minutes on 2 CPU cores,
 # bf16 autocast), bounded by steps so that a busy machine changes the time, not the model. The
 # published weights are an exponential moving average (--ema) from the best held-out check, stored
 # in fp16 to stay under 16 MB; only the weights, config and tokenizer are copied into the package
