@@ -227,8 +227,8 @@ def load_training_state(
             if name.startswith("optimizer."):
                 _, index, key = name.split(".", 2)
                 state.setdefault(int(index), {})[key] = value
-        for group in groups:
-            group["betas"] = tuple(group["betas"])
+        for group in groups:  # JSON has no tuples
+            group |= {key: tuple(group[key]) for key in ("betas", "ns_coefficients") if key in group}
         optimizer.load_state_dict({"state": state, "param_groups": groups})
         torch.set_rng_state(tensors["rng.torch"])
         generator.set_state(tensors["rng.data"])

@@ -29,12 +29,14 @@ LIMITS = {"vocab_size": 1 << 20, "n_layer": 1024, "n_embd": 1 << 16, "n_head": 1
           "context_length": 1 << 20, "mlp_ratio": 64}  # fmt: skip
 MAX_PARAMETERS = 1 << 32  # 16 GiB of fp32 weights
 
-# Model sizes (and the batch size that suits them). "small" is the default, sized to learn a 1 MB
-# corpus well in minutes on 2 CPU cores; "medium" is the shipped model (under 16 MB in fp16).
+# Model sizes (and the batch size that suits them), among which training's recipe chooses for the corpus
+# and the budget (aftgen/training/recipe.py). "tiny" is for tests; "medium" is the shipped model (under
+# 16 MB in fp16); "large" is for large corpora and GPUs.
 PRESETS: dict[str, dict] = {
     "tiny": dict(n_layer=2, n_embd=32, n_head=2, window=8, context_length=32, batch_size=8),
     "small": dict(n_layer=4, n_embd=192, n_head=6, window=32, context_length=128, batch_size=16),
-    "medium": dict(n_layer=6, n_embd=320, n_head=10, window=32, context_length=256, batch_size=16, dropout=0.3),
+    "medium": dict(n_layer=6, n_embd=320, n_head=10, window=32, context_length=256, batch_size=16),
+    "large": dict(n_layer=8, n_embd=512, n_head=16, window=64, context_length=512, batch_size=32),
 }
 
 

@@ -59,7 +59,8 @@ def train_tiny(corpus: Path, out: Path, on_eval=None, **changes) -> Path:
     """In-process training; vocabulary 400 on `corpus` reuses the tokenizer the tiny_run fixture cached."""
     from aftgen.training import TrainOptions, train
 
-    options = dict(preset="tiny", vocab_size=400, max_steps=8, eval_interval=2, device="cpu") | changes
+    # fp32: the recipe's measured choice of dtype would make two runs' weights differ by chance
+    options = dict(preset="tiny", vocab_size=400, max_steps=8, eval_interval=2, device="cpu", dtype="fp32") | changes
     return train(TrainOptions(corpus=corpus, out=out, **options), quiet=True, on_eval=on_eval)
 
 
@@ -70,6 +71,9 @@ def tiny_run(tmp_path_factory, corpus) -> Path:
 
     out = tmp_path_factory.mktemp("runs") / "tiny"
     train(
-        TrainOptions(corpus=corpus, out=out, preset="tiny", max_steps=40, eval_interval=20, vocab_size=400), quiet=True
+        TrainOptions(
+            corpus=corpus, out=out, preset="tiny", max_steps=40, eval_interval=20, vocab_size=400, dtype="fp32"
+        ),
+        quiet=True,
     )
     return out

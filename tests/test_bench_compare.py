@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 from aftgen.bench.mixers import comparison_targets, probe, with_ratios
 from aftgen.cli import app
 from aftgen.mixers import MIXERS
+from aftgen.model import PRESETS
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
@@ -74,7 +75,7 @@ def test_bench_quality_refuses_a_missing_corpus_in_one_line(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--preset", "huge"], "error: unknown preset 'huge'; choose one of: tiny, small, medium"),
+        (["--preset", "huge"], f"error: unknown preset 'huge'; choose one of: {', '.join(PRESETS)}"),
         (["--preset", "tiny", "--model", "x"], "error: give --model or --preset, not both"),
     ],
 )

@@ -123,11 +123,12 @@ def interrupt_at(step: int):
     return on_eval
 
 
-@pytest.mark.parametrize("ema", [0.0, 0.8])
-def test_resume_is_exact(tmp_path, corpus, tiny_run, ema):
-    """N steps in one go == k steps, Ctrl-C, --resume for the rest: schedule, data order, dropout and the
-    weight average (what --ema publishes) all restored."""
-    options = dict(max_steps=10, eval_interval=2, dropout=0.1, warmup_steps=3, ema=ema)
+@pytest.mark.parametrize("ema, optimizer", [(0.0, "adamw"), (0.8, "adamw"), (0.8, "muon")])
+def test_resume_is_exact(tmp_path, corpus, tiny_run, ema, optimizer):
+    """N steps in one go == k steps, Ctrl-C, --resume for the rest: schedule, data order, dropout, the
+    optimiser's state (both of Muon's parts) and the weight average (what --ema publishes) all restored."""
+    options = dict(max_steps=10, eval_interval=2, dropout=0.1, warmup_steps=3, ema=ema, optimizer=optimizer)
+    options |= dict(keep_best=False)  # the last step's weights, compared
     train_tiny(corpus, tmp_path / "straight", **options)
     with pytest.raises(TrainingInterrupted):
         train_tiny(corpus, tmp_path / "resumed", on_eval=interrupt_at(4), **options)
@@ -340,7 +341,7 @@ OPTION_CASES = [
     (["--weights-dtype", "fp8"], "unknown --weights-dtype 'fp8'"),
     (["--eval-windows", "0"], "--eval-windows must be positive"),
     (["--ema", "1"], r"--ema must be in \[0, 1\)"),
-    (["--patience", "3"], "--patience needs --keep-best"),
+    (["--patience", "3", "--no-keep-best"], "--patience needs --keep-best"),
     (["--patience", "-1", "--keep-best"], "--patience must not be negative"),
 ]
 

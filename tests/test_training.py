@@ -36,7 +36,7 @@ def test_keep_best_publishes_the_best_scoring_weights(tmp_path, corpus, tiny_run
             step_4.update(load_file(tmp_path / "latest" / WEIGHTS))
 
     scripted_held_out(monkeypatch, scores)
-    train_tiny(corpus, tmp_path / "latest", on_eval=grab, **options)
+    train_tiny(corpus, tmp_path / "latest", on_eval=grab, keep_best=False, **options)
     scripted_held_out(monkeypatch, scores)
     out = train_tiny(corpus, tmp_path / "best", keep_best=True, **options)
 
@@ -160,7 +160,7 @@ def test_max_time_stops_the_run_and_its_schedule_follows_the_clock(tmp_path, cor
 
     monkeypatch.setattr(loop, "time", TickingClock())
     lr, floor = 2e-3, 0.1
-    out = train_tiny(corpus, tmp_path / "run", max_time="2s", max_steps=10**6, warmup_steps=0, eval_interval=1)
+    out = train_tiny(corpus, tmp_path / "run", max_time="2s", max_steps=10**6, lr=lr, warmup_steps=0, eval_interval=1)
     info = json.loads((out / TRAINING_INFO).read_text())
     assert 2.0 <= info["elapsed"] < 2.5 and 0 < info["step"] < 1000  # the clock ended it, far from max_steps
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -210,3 +210,21 @@ def test_run_folder_alone_refuses_mistakes_and_keeps_the_best_check(tmp_path, co
     clock = Clock(TrainOptions(corpus, max_steps=100, max_time=10), elapsed_before=0)
     assert clock.progress(step=10, elapsed=5.0) == 0.5  # the clock runs out first
     assert clock.progress(step=80, elapsed=5.0) == 0.8  # the steps do
+
+
+def test_muon_steps_the_block_matrices_and_adamw_the_rest(tiny_run):
+    from aftgen.checkpoint import load_checkpoint
+    from aftgen.training.optimizer import make_optimizer
+    from aftgen.training.options import TrainOptions
+
+    model, _ = load_checkpoint(tiny_run)
+    optimizer = make_optimizer(model, TrainOptions(corpus="x", optimizer="muon", lr=1e-3, weight_decay=0.1))
+    muon, adamw = optimizer.parts
+    by_muon = {id(p) for group in muon.param_groups for p in group["params"]}
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert {names[i] for i in by_muon} == {
+        name for name, p in model.named_parameters() if p.dim() == 2 and name.endswith("weight") and "embed" not in name
+    }
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
+    saved = optimizer.state_dict()  # one numbering over both parts, as the training state file stores it
+    assert sorted(i for g in saved["param_groups"] for i in g["params"]) == list(range(len(list(model.parameters()))))

@@ -190,7 +190,7 @@ def bench_quality(corpus: Path, seconds: float, mixers: tuple[str, ...], log: Lo
     from aftgen.checkpoint import load_checkpoint
     from aftgen.corpus import prepare_corpus
     from aftgen.evaluate import evaluate_ids
-    from aftgen.training import TrainOptions, train
+    from aftgen.training import TrainOptions, recipe, train
 
     if not seconds > 0:
         raise AftgenError(f"--time must be positive, got {seconds}")
@@ -201,7 +201,9 @@ def bench_quality(corpus: Path, seconds: float, mixers: tuple[str, ...], log: Lo
         for mixer in mixers:
             log(f"  training {mixer} for {seconds:g} s ...")
             out = Path(folder) / mixer
-            options = TrainOptions(corpus, out, mixer=mixer, max_time=seconds, max_steps=10**9, eval_interval=10**9)
+            options = TrainOptions(
+                corpus, out, mixer=mixer, max_time=seconds, max_steps=10**9, eval_interval=10**9, **recipe.FIXED
+            )
             model, tokenizer = load_checkpoint(train(options, quiet=True))
             result = evaluate_ids(model, ids, chars, nbytes, reset_every=model.config.context_length)
             eval_kind = f"windows of {model.config.context_length} tokens"

@@ -24,17 +24,19 @@ from aftgen.cli.common import (
     with_options,
 )
 from aftgen.corpus import CorpusOptions
-from aftgen.training.options import FINE_TUNE_DEFAULTS, FRESH_DEFAULTS, flag
+from aftgen.training.options import FINE_TUNE_DEFAULTS, FINE_TUNE_STEPS, flag
 from aftgen.training.options import TrainOptions as Defaults
+from aftgen.training.recipe import DEFAULT_BUDGET
 
 
 def _option(help: str | None = None, panel: str | None = None, *names: str):
     return typer.Option(*names, help=help, rich_help_panel=panel)
 
 
-def _defaults(name: str) -> str:
-    """The two defaults of an option whose default depends on --init-from."""
-    return f" Default: {FRESH_DEFAULTS[name]}; fine-tuning: {FINE_TUNE_DEFAULTS[name]}."
+def _defaults(name: str | None = None) -> str:
+    """The default of an option the recipe sets (and fine-tuning's, where it has its own)."""
+    fine_tuning = f"; fine-tuning: {FINE_TUNE_DEFAULTS[name]}" if name in FINE_TUNE_DEFAULTS else ""
+    return f" Default: the recipe's{fine_tuning}."
 
 
 @with_options(HARDWARE_OPTIONS | CORPUS_OPTIONS)
@@ -54,7 +56,9 @@ def train(
             TRAIN_PANEL,
         ),
     ] = None,
-    preset: Annotated[str | None, _option("tiny | small | medium (default: small).", MODEL_PANEL)] = Defaults.preset,
+    preset: Annotated[
+        str | None, _option("tiny | small | medium | large." + _defaults(), MODEL_PANEL)
+    ] = Defaults.preset,
     n_layer: Annotated[int | None, _option(None, MODEL_PANEL, "--layers")] = None,
     n_embd: Annotated[int | None, _option(None, MODEL_PANEL, "--width")] = None,
     n_head: Annotated[int | None, _option(None, MODEL_PANEL, "--heads")] = None,
@@ -68,28 +72,46 @@ def train(
     ] = None,
     window: Annotated[int | None, _option("AFT-local window s.", MODEL_PANEL)] = None,
     context_length: Annotated[int | None, _option("Training sequence length.", MODEL_PANEL)] = None,
-    dropout: Annotated[float | None, _option(None, MODEL_PANEL)] = None,
+    dropout: Annotated[float | None, _option(_defaults(), MODEL_PANEL)] = None,
     decay: Annotated[
         bool | None, _option("Learned decay beyond the window (off: the paper's AFT-local).", MODEL_PANEL)
     ] = None,
-    max_steps: Annotated[int, _option(None, TRAIN_PANEL)] = Defaults.max_steps,
-    max_time: Annotated[str | None, _option("Wall-time budget: 150, 90s, 10m, 1h.", TRAIN_PANEL)] = None,
+    max_steps: Annotated[
+        int | None, _option(f"Step budget (default: none; fine-tuning: {FINE_TUNE_STEPS}).", TRAIN_PANEL)
+    ] = None,
+    max_time: Annotated[
+        str | None,
+        _option(
+            f"Wall-time budget: 150, 90s, 10m, 1h. Default: {DEFAULT_BUDGET / 60:g}m unless --max-steps is given. "
+            "A fresh run chooses its recipe (model size, regularisation, schedule) for its corpus and this budget.",
+            TRAIN_PANEL,
+        ),
+    ] = None,
     batch_size: Annotated[int | None, _option(None, TRAIN_PANEL)] = None,
     lr: Annotated[float | None, _option("Peak learning rate." + _defaults("lr"), TRAIN_PANEL)] = None,
     warmup_steps: Annotated[int | None, _option(_defaults("warmup_steps"), TRAIN_PANEL)] = None,
-    weight_decay: Annotated[float, _option(None, TRAIN_PANEL)] = Defaults.weight_decay,
+    weight_decay: Annotated[float | None, _option(_defaults(), TRAIN_PANEL)] = None,
     grad_clip: Annotated[float, _option(None, TRAIN_PANEL)] = Defaults.grad_clip,
-    ema: Annotated[
-        float,
+    optimizer: Annotated[
+        str | None,
         _option(
-            "Check and publish an exponential moving average of the weights with this decay (e.g. 0.995); 0: off.",
+            "adamw | muon (Muon for the blocks' matrices, AdamW for the rest)." + _defaults("optimizer"), TRAIN_PANEL
+        ),
+    ] = None,
+    ema: Annotated[
+        float | None,
+        _option(
+            "Check and publish an exponential moving average of the weights with this decay (e.g. 0.995); 0: off."
+            + _defaults(),
             TRAIN_PANEL,
         ),
-    ] = Defaults.ema,
+    ] = None,
     eval_interval: Annotated[
         int | None, _option("Steps between held-out evals and checkpoints." + _defaults("eval_interval"), TRAIN_PANEL)
     ] = None,
-    eval_windows: Annotated[int, _option("Held-out windows each eval scores.", TRAIN_PANEL)] = Defaults.eval_windows,
+    eval_windows: Annotated[
+        int | None, _option("Held-out windows each eval scores." + _defaults("eval_windows"), TRAIN_PANEL)
+    ] = None,
     keep_best: Annotated[
         bool | None,
         _option(
@@ -98,12 +120,13 @@ def train(
         ),
     ] = None,
     patience: Annotated[
-        int,
+        int | None,
         _option(
-            "Stop after this many held-out evals without a new best (needs --keep-best); 0: run the whole budget.",
+            "Stop after this many held-out evals without a new best (needs --keep-best); 0: run the whole budget."
+            + _defaults(),
             TRAIN_PANEL,
         ),
-    ] = Defaults.patience,
+    ] = None,
     weights_dtype: Annotated[
         str, _option("fp32 | fp16 | bf16: precision of model.safetensors (fp16 halves it).", TRAIN_PANEL)
     ] = Defaults.weights_dtype,

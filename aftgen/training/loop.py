@@ -8,10 +8,12 @@ model together (see distributed.py).
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +26,11 @@ from aftgen.distributed import World
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.tokenizer import Tokenizer
+from aftgen.training import probe, recipe
 from aftgen.training.averaging import WeightAverage
 from aftgen.training.base import BaseModel
 from aftgen.training.optimizer import learning_rate, make_optimizer, set_learning_rate
-from aftgen.training.options import MODEL_FIELDS, TrainOptions
+from aftgen.training.options import MODEL_FIELDS, RECIPE_FIELDS, TrainOptions
 from aftgen.training.progress import Interrupts, Reporter
 from aftgen.training.run_folder import RunFolder, TrainingState, describe_run
 
@@ -63,6 +66,7 @@ def _train(options: TrainOptions, placement: Placement, world: World, quiet: boo
     run = RunFolder(options, world, base.config if base else None)
     with Reporter(quiet or not world.main) as reporter:
         corpus = _load_corpus(options, run, base, world, quiet)
+        options, placement = _settle(options, run, corpus, base, placement, world, reporter.log)
         training = _start(options, run, corpus, base, placement, world, reporter.log)
         if base is not None:  # where fine-tuning starts: the base model's score on the new held-out text
             _check_and_save(options, run, corpus, training, 0.0, Meter(), None, reporter, on_eval)
@@ -82,15 +86,39 @@ def _load_corpus(options, run: RunFolder, base: BaseModel | None, world: World, 
     tokenizer = Tokenizer.load(run.path / "tokenizer.model") if options.resume else base and base.tokenizer
     log = (lambda _: None) if quiet or not world.main else None
     prepared = prepare_corpus(options.sources(), options.corpus_options(), log, tokenizer, world)
-    train_tokens, held_out_tokens = len(prepared.train_ids), len(prepared.held_out_ids)
+    run.held_out = prepared.held_out
+    return prepared
+
+
+def _settle(options, run: RunFolder, corpus: PreparedCorpus, base, placement: Placement, world: World, log):
+    """The options the user did not give, filled: on --resume from the run's own record, on a fresh run
+    from the recipe (recipe.py, rank 0 measures and the others follow), and fine-tuning keeps its
+    defaults; then the model's sizes, checked to fit the corpus. Returns the options and placement."""
+    if options.resume:
+        options = run.resumed_options(options)
+    elif base is None:
+        vocab_size = corpus.tokenizer.vocab_size
+        plan = probe.plan(options, len(corpus.train_ids), vocab_size, placement) if world.main else None
+        shared = world.share_bytes(json.dumps(plan.to_dict()).encode() if plan else None)
+        plan = recipe.Recipe(**json.loads(shared))
+        log(plan.describe(corpus.summary["chars"]))
+        chosen = {name: getattr(plan, name) for name in RECIPE_FIELDS}
+        if options.keep_best is False:
+            chosen["patience"] = 0  # early stopping publishes the best weights: none without them
+        options = replace(options, dtype=plan.dtype)
+        options.fill(chosen)
+        run.recipe = plan.to_dict()
+    options.check()
+    run.settle(options, base.config if base else None)
+    placement = resolve(placement.device, options.dtype)
+    train_tokens, held_out_tokens = len(corpus.train_ids), len(corpus.held_out_ids)
     length = run.settings["context_length"]
     if train_tokens < length + 2 or held_out_tokens < 2:
         raise AftgenError(
             f"{shlex.join(map(str, options.sources()))}: too small: {train_tokens} training tokens, fewer than one "
             f"sequence of {length + 1}; give it more text or pass a smaller --context-length"
         )
-    run.held_out = prepared.held_out
-    return prepared
+    return options, placement
 
 
 def _start(
@@ -139,7 +167,7 @@ class Clock:
 
     def progress(self, step: int, elapsed: float) -> float:
         """0 -> 1 by steps, or by wall time when that runs out first (the schedule then follows the clock)."""
-        by_steps = step / self.options.max_steps
+        by_steps = step / self.options.max_steps if self.options.max_steps else 0.0
         return max(by_steps, elapsed / self.options.max_time) if self.options.max_time else by_steps
 
 

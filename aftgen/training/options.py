@@ -13,17 +13,23 @@ from aftgen.device import DEVICES, DTYPES
 from aftgen.errors import AftgenError
 from aftgen.mixers import MIXERS
 from aftgen.model import PRESETS, AFTConfig
+from aftgen.training.recipe import EVAL_WINDOWS
 
 # AFTConfig fields a run may set (the rest come from the tokenizer); None in TrainOptions means "the preset's".
 MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "window", "context_length", "dropout", "decay", "mixer")
 # What fine-tuning keeps from its base model; dropout, context length, batch and schedule may change.
 ARCHITECTURE = ("n_layer", "n_embd", "n_head", "window", "decay", "mixer", "vocab_size")
+OPTIMIZERS = ("adamw", "muon")
 FLAGS = {"n_layer": "--layers", "n_embd": "--width", "n_head": "--heads"}  # options named unlike their field
-# Options whose default depends on whether the run starts from scratch or fine-tunes a base model
-# (nanoGPT's finetune_shakespeare: a lower learning rate, a short warmup, only the best weights kept).
-# A base model is a few steps from useful: a short warmup, and checks often enough to keep its best.
-FRESH_DEFAULTS = {"lr": 2e-3, "warmup_steps": 100, "eval_interval": 250, "keep_best": False}
-FINE_TUNE_DEFAULTS = {"lr": 1e-3, "warmup_steps": 5, "eval_interval": 50, "keep_best": True}
+# What a fresh run's recipe (recipe.py) sets unless the user gives it: chosen from the corpus, the budget
+# and the machine's speed once the corpus is read. None in TrainOptions means "not given".
+RECIPE_FIELDS = ("preset", "optimizer", "dropout", "weight_decay", "ema", "lr", "warmup_steps", "eval_interval",
+                 "eval_windows", "keep_best", "patience", "max_time")  # fmt: skip
+# Fine-tuning keeps its own defaults (nanoGPT's finetune_shakespeare: a lower learning rate, a short
+# warmup, only the best weights kept): a base model is a few steps from useful, so it is checked often.
+FINE_TUNE_DEFAULTS = {"lr": 1e-3, "warmup_steps": 5, "eval_interval": 50, "eval_windows": EVAL_WINDOWS, "keep_best": True,
+                      "optimizer": "adamw", "weight_decay": 0.1, "ema": 0.0, "patience": 0}  # fmt: skip
+FINE_TUNE_STEPS = 5000  # a fine-tuning run's budget when it is given none
 FRESH_ONLY = {"preset": "small", "vocab_size": 1024, "tokenizer_type": "bpe"}  # fine-tuning takes the base's
 
 
@@ -51,16 +57,17 @@ class TrainOptions:
     mixer: str | None = None
     lr: float | None = None
     min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
+    weight_decay: float | None = None
     warmup_steps: int | None = None
     grad_clip: float = 1.0
-    ema: float = 0.0  # decay of the weight average that is checked and published; 0: the raw weights
-    max_steps: int = 5000
+    optimizer: str | None = None  # adamw | muon
+    ema: float | None = None  # decay of the weight average that is checked and published; 0: the raw weights
+    max_steps: int | None = None
     max_time: float | str | None = None  # seconds, or a duration such as "10m"
     eval_interval: int | None = None
-    eval_windows: int = 32
+    eval_windows: int | None = None
     keep_best: bool | None = None
-    patience: int = 0  # stop after this many held-out checks without a new best; 0: run the whole budget
+    patience: int | None = None  # stop after this many held-out checks without a new best; 0: run the whole budget
     weights_dtype: str = "fp32"
     seed: int = 1337
     vocab_size: int | None = None
@@ -82,10 +89,27 @@ class TrainOptions:
             self.max_time = parse_duration(self.max_time)
         if isinstance(self.held_out, str):
             self.held_out = parse_size(self.held_out)
-        defaults = FINE_TUNE_DEFAULTS if self.init_from else FRESH_DEFAULTS | FRESH_ONLY
-        for name, value in defaults.items():
+        if self.init_from:
+            self.fill(FINE_TUNE_DEFAULTS)
+            if self.max_time is None and self.max_steps is None:
+                self.max_steps = FINE_TUNE_STEPS
+        for name in ("vocab_size", "tokenizer_type"):
+            if getattr(self, name) is None and not self.init_from:
+                setattr(self, name, FRESH_ONLY[name])
+
+    def fill(self, values: dict) -> None:
+        """Set the options the user did not give (None) from `values`."""
+        for name, value in values.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+
+    @property
+    def sizes_given(self) -> bool:
+        """Whether the user named the model's size (a preset, or any size): the recipe then keeps it."""
+        return any(
+            getattr(self, name) is not None
+            for name in ("preset", "n_layer", "n_embd", "n_head", "window", "context_length", "batch_size")
+        )
 
     @property
     def run_folder(self) -> Path:
@@ -107,10 +131,11 @@ class TrainOptions:
             self._refuse_architecture_changes(base)
             settings = {name: getattr(base, name) for name in MODEL_FIELDS}
             settings["batch_size"] = PRESETS[FRESH_ONLY["preset"]]["batch_size"]
-        elif self.preset not in PRESETS:
-            raise AftgenError(f"unknown preset '{self.preset}'; choose one of: {', '.join(PRESETS)}")
         else:
-            settings = {"dropout": 0.0, "decay": True, "mixer": "aft_local", **PRESETS[self.preset]}
+            preset = self.preset or FRESH_ONLY["preset"]
+            if preset not in PRESETS:
+                raise AftgenError(f"unknown preset '{preset}'; choose one of: {', '.join(PRESETS)}")
+            settings = {"dropout": 0.0, "decay": True, "mixer": "aft_local", **PRESETS[preset]}
         for name in (*MODEL_FIELDS, "batch_size"):
             if getattr(self, name) is not None:
                 settings[name] = getattr(self, name)
@@ -142,14 +167,16 @@ class TrainOptions:
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise AftgenError(f"{flag(name)} must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "weight_decay", "grad_clip", "patience"):
-            if not getattr(self, name) >= 0:
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
                 raise AftgenError(f"{flag(name)} must not be negative, got {getattr(self, name)}")
-        if not 0 <= self.ema < 1:
+        if self.ema is not None and not 0 <= self.ema < 1:
             raise AftgenError(f"--ema must be in [0, 1) (0 turns it off; 0.99 to 0.999 are usual), got {self.ema}")
-        if self.patience and not self.keep_best:
+        if self.patience and self.keep_best is False:
             raise AftgenError("--patience needs --keep-best, so that the run publishes the best weights, not the last")
         if self.max_time is not None and not self.max_time > 0:
             raise AftgenError(f"--max-time must be positive, got {self.max_time}")
+        if self.optimizer is not None:
+            _one_of("--optimizer", self.optimizer, OPTIMIZERS)
         _one_of("--device", self.device.split(":")[0], DEVICES, shown=self.device)
         _one_of("--dtype", self.dtype, ("auto", *DTYPES))
         _one_of("--weights-dtype", self.weights_dtype, tuple(WEIGHT_DTYPES))

@@ -4,7 +4,7 @@ check) and every write to it: checkpoints, the training state, training.json and
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from aftgen.files import prepare_folder
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.tokenizer import Tokenizer
 from aftgen.training.averaging import WeightAverage
-from aftgen.training.options import TrainOptions
+from aftgen.training.options import FINE_TUNE_DEFAULTS, RECIPE_FIELDS, TrainOptions
 
 
 @dataclass
@@ -66,16 +66,35 @@ class RunFolder:
         self.saved_step: int | None = None
         self.saved_world_size = world.size
         self.description: dict = {}  # what training.json says besides the step
+        self.recipe: dict | None = None  # what the recipe chose for a fresh run (recipe.py)
+        self._saved_options: dict = {}
         self._refuse_mistakes()
         if options.resume:
             saved, _ = read_training_info(self.path)  # the state file alone describes the run
             self.settings, self.best, self.base_model = saved["settings"], saved.get("best"), saved.get("base_model")
             self.saved_world_size = saved.get("world_size", 1)
+            self.recipe, self._saved_options = saved.get("recipe"), saved.get("options", {})
             self.metrics = read_run_files(self.path)[1]
         else:
-            self.settings = options.resolved(base)
+            self.settings = options.resolved(base)  # refuses what contradicts a base model before any work
         if world.main:
             prepare_folder(self.path)
+
+    def resumed_options(self, options: TrainOptions) -> TrainOptions:
+        """`options` with what the user did not give taken from the run's record: a resumed run goes on
+        with the recipe (or fine-tuning defaults) it started with, not a new choice."""
+        options = replace(options, dtype=self._saved_options.get("dtype", "auto") if options.dtype == "auto" else
+                          options.dtype)  # fmt: skip
+        options.fill(
+            {name: self._saved_options.get(name) for name in (*RECIPE_FIELDS, *FINE_TUNE_DEFAULTS, "max_steps")}
+        )
+        return options
+
+    def settle(self, options: TrainOptions, base: AFTConfig | None) -> None:
+        """Take the options with nothing left to choose: the model's sizes follow from them."""
+        self.options = options
+        if not options.resume:
+            self.settings = options.resolved(base)
 
     def _refuse_mistakes(self) -> None:
         """No run overwritten by accident, no resume of nothing."""
@@ -168,6 +187,7 @@ def describe_run(options: TrainOptions, run: RunFolder, model: AFTLM, device: st
         "held_out": run.held_out,
         "settings": run.settings,
         "options": options.to_dict(),
+        **({"recipe": run.recipe} if run.recipe else {}),
         "parameters": model.num_parameters(),
         "tokenizer_type": options.tokenizer_type,
         "device": device,

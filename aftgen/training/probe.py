@@ -1,0 +1,77 @@
+"""How fast this machine trains a model of given sizes: a few real optimiser steps on random tokens,
+timed (the recipe's measure of the machine)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from aftgen.device import DTYPES, Placement
+from aftgen.model import AFTLM, AFTConfig
+from aftgen.training import recipe
+from aftgen.training.options import MODEL_FIELDS, TrainOptions
+
+WARM_UP_STEPS, TIMED_STEPS = 2, 3
+
+
+def tokens_per_s(config: AFTConfig, batch_size: int, placement: Placement, steps: int = TIMED_STEPS) -> float:
+    """Training tokens/s of a model of `config` at `batch_size` (AdamW, autocast as placed), measured
+    after WARM_UP_STEPS steps; the model is thrown away afterwards, and torch's random state is kept."""
+    with torch.random.fork_rng(devices=[placement.device] if placement.device.type == "cuda" else []):
+        model = AFTLM(config).to(placement.device).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, config.vocab_size, (batch_size, config.context_length + 1), device=placement.device)
+
+        def step() -> None:
+            with placement.autocast():
+                logits = model(ids[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+
+        for _ in range(WARM_UP_STEPS):
+            step()
+        _synchronize(placement)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _synchronize(placement)
+        return steps * batch_size * config.context_length / (time.perf_counter() - start)
+
+
+def _synchronize(placement: Placement) -> None:
+    if placement.device.type == "cuda":
+        torch.cuda.synchronize(placement.device)
+
+
+def plan(options: TrainOptions, train_tokens: int, vocab_size: int, placement: Placement) -> recipe.Recipe:
+    """The recipe for a fresh run (recipe.choose), measuring this machine's speed as it goes (a few
+    seconds, before the budget's clock starts)."""
+    presets = (options.preset or "small",) if options.sizes_given else recipe.CANDIDATES
+    dtype = _dtype(options, presets[0], vocab_size, placement)
+    chosen = Placement(placement.device, DTYPES[dtype])
+
+    def speed(preset: str) -> float:
+        return tokens_per_s(*_model(options, preset, vocab_size), chosen)
+
+    return recipe.choose(train_tokens, vocab_size, options.max_time, options.max_steps, speed, presets, dtype)
+
+
+def _dtype(options: TrainOptions, preset: str, vocab_size: int, placement: Placement) -> str:
+    """--dtype, or with auto: the device's choice, except on a CPU, where bf16 autocast wins only where
+    measured faster (it is on CPUs with bf16 matrix units, and slower on the rest)."""
+    if options.dtype != "auto" or placement.device.type != "cpu":
+        return next(name for name, dtype in DTYPES.items() if dtype == placement.dtype)
+    model = _model(options, preset, vocab_size)
+    fp32, bf16 = (tokens_per_s(*model, Placement(placement.device, dtype)) for dtype in (torch.float32, torch.bfloat16))
+    return "bf16" if bf16 >= recipe.FASTER_ENOUGH * fp32 else "fp32"
+
+
+def _model(options: TrainOptions, preset: str, vocab_size: int) -> tuple[AFTConfig, int]:
+    """The config and batch size of `preset` with the user's sizes laid over it."""
+    settings = replace(options, preset=preset).resolved()
+    return AFTConfig(vocab_size=vocab_size, **{name: settings[name] for name in MODEL_FIELDS}), settings["batch_size"]

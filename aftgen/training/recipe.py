@@ -1,0 +1,190 @@
+"""The recipe: what a fresh run trains when the user does not say, chosen from the corpus size, the
+budget (time or steps) and the machine's measured speed. Every explicit option wins over it.
+
+The choice reads three tables, each set by measurements (docs/recipe.md has the runs):
+
+- the model size: the largest preset that gets, within the budget, at least MIN_STEPS steps and
+  either ENOUGH_PASSES passes over the corpus (a small corpus: more passes would only overfit a
+  larger model) or ENOUGH_TOKENS_PER_PARAMETER tokens per parameter (a large corpus: Chinchilla's
+  rule); where none does, the smallest;
+- the regularisation (dropout, weight decay, weight average) from how many passes over the
+  training tokens the budget buys and how many steps it runs: a run that sees its text dozens of
+  times needs heavy dropout; a short run is still learning, and dropout would only slow it;
+- the learning rate of each size.
+
+Every recipe keeps the best held-out check and stops PATIENCE checks after it, so no run publishes
+weights that its own checks saw get worse.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from aftgen.model import PRESETS, AFTConfig
+
+DEFAULT_BUDGET = 15 * 60.0  # seconds, when neither --max-time nor --max-steps is given
+CANDIDATES = ("small", "medium", "large")  # model sizes the recipe chooses among, smallest first
+MIN_STEPS = 1000
+ENOUGH_PASSES = 10
+ENOUGH_TOKENS_PER_PARAMETER = 20
+OPTIMIZER = "adamw"  # Muon learns faster early but overfits sooner on small corpora (docs/recipe.md)
+LEARNING_RATES = {"tiny": 3e-3, "small": 2e-3, "medium": 1.5e-3, "large": 1e-3}
+WARMUP_FRACTION, MIN_WARMUP, MAX_WARMUP = 0.02, 20, 200  # of the expected steps
+CHECKS_PER_RUN = 25  # held-out checks spread over the budget (patience counts them)
+EVAL_WINDOWS = 100  # windows each check scores: fewer let noise end a run early
+PATIENCE = 3
+FASTER_ENOUGH = 1.15  # bf16 autocast is chosen on a CPU only when measured at least this much faster
+# aftgen's defaults before it had a recipe, spelled out: for comparing other things (mixers) at fixed settings.
+FIXED = {"preset": "small", "optimizer": "adamw", "dropout": 0.0, "weight_decay": 0.1, "ema": 0.0, "lr": 2e-3, "warmup_steps": 100,
+         "keep_best": False, "patience": 0}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Regularisation:
+    """What a run gets when the budget buys up to `passes` passes over the corpus."""
+
+    passes: float
+    dropout: float
+    weight_decay: float
+    ema: float
+
+
+REGULARISATION = (
+    Regularisation(passes=2, dropout=0.0, weight_decay=0.1, ema=0.0),
+    Regularisation(passes=8, dropout=0.1, weight_decay=0.1, ema=0.99),
+    Regularisation(passes=30, dropout=0.2, weight_decay=0.1, ema=0.995),
+    Regularisation(passes=math.inf, dropout=0.3, weight_decay=0.3, ema=0.995),
+)
+SHORT_RUN_STEPS, SHORT_RUN_DROPOUT = 1500, 0.1  # a run shorter than this is still learning: dropout at most this
+
+
+@dataclass
+class Recipe:
+    """What the recipe chose, and what it chose it from (training.json records both)."""
+
+    preset: str
+    dtype: str
+    optimizer: str
+    dropout: float
+    weight_decay: float
+    ema: float
+    lr: float
+    warmup_steps: int
+    eval_interval: int
+    eval_windows: int
+    keep_best: bool
+    patience: int
+    max_time: float | None
+    train_tokens: int
+    tokens_per_s: float | None  # measured, for the chosen size and dtype (None: a budget in steps only)
+    steps: int  # expected within the budget
+    passes: float  # over the training tokens, expected within the budget
+
+    def describe(self, corpus_chars: int) -> str:
+        """One line: what was chosen and why."""
+        budget = f"{_duration(self.max_time)} on this machine" if self.max_time else f"{self.steps:,} steps"
+        speed = f" at {self.tokens_per_s:,.0f} tok/s" if self.tokens_per_s else ""
+        average = f"EMA {self.ema}" if self.ema else "no weight average"
+        return (
+            f"recipe: {_size(corpus_chars)}, {self.train_tokens:,} tokens, {budget}{speed} = "
+            f"~{self.steps:,} steps, ~{self.passes:.1f} passes: preset {self.preset} ({self.dtype}, {self.optimizer}), "
+            f"dropout {self.dropout}, weight decay {self.weight_decay}, {average}, lr {self.lr:g}, "
+            f"stops {self.patience} checks after its best"
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def tokens_per_step(preset: str) -> int:
+    sizes = PRESETS[preset]
+    return sizes["batch_size"] * sizes["context_length"]
+
+
+def parameters(preset: str, vocab_size: int) -> int:
+    return AFTConfig.from_preset(preset, vocab_size).approximate_parameters()
+
+
+def choose(
+    train_tokens: int,
+    vocab_size: int,
+    max_time: float | None,
+    max_steps: int | None,
+    speed: Callable[[str], float],
+    presets: tuple[str, ...] = CANDIDATES,
+    dtype: str = "fp32",
+) -> Recipe:
+    """The recipe for `train_tokens` of training text within the budget.
+
+    `speed(preset)` measures tokens/s of a preset on this machine (called only when the budget is in
+    time, smallest preset first, and not beyond the first that is too slow). `presets` are the sizes
+    to choose among (one, when the user named it).
+    """
+    if max_time is None and max_steps is None:
+        max_time = DEFAULT_BUDGET
+    chosen, rate = presets[0], None
+    for index, preset in enumerate(presets):
+        if index and not _worth_it(preset, _steps(preset, max_time, max_steps, rate), train_tokens, vocab_size):
+            break  # not trained enough even at the smaller size's speed: no need to measure it
+        measured = speed(preset) if max_time is not None else None
+        if index and not _worth_it(preset, _steps(preset, max_time, max_steps, measured), train_tokens, vocab_size):
+            break
+        chosen, rate = preset, measured
+    steps = _steps(chosen, max_time, max_steps, rate)
+    passes = steps * tokens_per_step(chosen) / max(train_tokens, 1)
+    regularisation = next(row for row in REGULARISATION if passes <= row.passes)
+    dropout = regularisation.dropout if steps >= SHORT_RUN_STEPS else min(regularisation.dropout, SHORT_RUN_DROPOUT)
+    warmup = round(min(MAX_WARMUP, max(MIN_WARMUP, WARMUP_FRACTION * steps)))
+    return Recipe(
+        preset=chosen,
+        dtype=dtype,
+        optimizer=OPTIMIZER,
+        dropout=dropout,
+        weight_decay=regularisation.weight_decay,
+        ema=regularisation.ema,
+        lr=LEARNING_RATES[chosen],
+        warmup_steps=min(warmup, max(steps // 10, 1)),
+        eval_interval=_round(steps / CHECKS_PER_RUN),
+        eval_windows=EVAL_WINDOWS,
+        keep_best=True,
+        patience=PATIENCE,
+        max_time=max_time,
+        train_tokens=train_tokens,
+        tokens_per_s=rate,
+        steps=steps,
+        passes=round(passes, 2),
+    )
+
+
+def _steps(preset: str, max_time: float | None, max_steps: int | None, tokens_per_s: float | None) -> int:
+    """Steps a preset makes within the budget (the first of the two limits to run out)."""
+    by_time = math.inf if max_time is None else max_time * tokens_per_s / tokens_per_step(preset)
+    return int(min(by_time, max_steps or math.inf))
+
+
+def _worth_it(preset: str, steps: int, train_tokens: int, vocab_size: int) -> bool:
+    """Whether a larger preset is trained enough within the budget to beat the smaller one."""
+    seen = steps * tokens_per_step(preset)
+    enough = min(ENOUGH_PASSES * train_tokens, ENOUGH_TOKENS_PER_PARAMETER * parameters(preset, vocab_size))
+    return steps >= MIN_STEPS and seen >= enough
+
+
+def _round(value: float) -> int:
+    """A round number near `value` (1, 2 or 5 times a power of ten)."""
+    if value < 1:
+        return 1
+    power = 10 ** math.floor(math.log10(value))
+    return int(min((power * m for m in (1, 2, 5, 10)), key=lambda x: abs(x - value)))
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds:g} s"
+
+
+def _size(chars: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if chars >= scale:
+            return f"{chars / scale:.1f} {unit}"
+    return f"{chars} characters"

@@ -1,0 +1,115 @@
+"""The recipe: what a fresh run trains when the user does not say (aftgen/training/recipe.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import train_tiny
+
+from aftgen.checkpoint import TRAINING_INFO
+from aftgen.training import recipe
+from aftgen.training.recipe import choose
+
+# Tokens/s measured on a 2-core CPU (bf16) and guessed for a GPU: the speeds choose() is given.
+CPU = {"small": 20_000, "medium": 9_000, "large": 2_000}
+GPU = {"small": 400_000, "medium": 250_000, "large": 150_000}
+SHAKESPEARE = 395_000  # training tokens of Tiny Shakespeare with a 1024-piece vocabulary
+
+
+def speeds(table: dict[str, float], asked: list[str] | None = None):
+    def speed(preset: str) -> float:
+        if asked is not None:
+            asked.append(preset)
+        return table[preset]
+
+    return speed
+
+
+def test_a_short_budget_trains_the_small_model_without_dropout():
+    chosen = choose(SHAKESPEARE, 1024, max_time=120, max_steps=None, speed=speeds(CPU))
+    assert chosen.preset == "small"
+    assert chosen.dropout <= recipe.SHORT_RUN_DROPOUT  # still learning: dropout would only slow it
+    assert chosen.keep_best and chosen.patience > 0
+
+
+def test_the_default_budget_on_shakespeare_trains_a_larger_regularised_model():
+    chosen = choose(SHAKESPEARE, 1024, max_time=None, max_steps=None, speed=speeds(CPU))
+    assert chosen.max_time == recipe.DEFAULT_BUDGET
+    assert chosen.preset == "medium"
+    assert chosen.passes == pytest.approx(recipe.DEFAULT_BUDGET * CPU["medium"] / SHAKESPEARE, rel=0.01)
+    assert chosen.dropout >= 0.2 and chosen.ema > 0
+    assert chosen.steps >= recipe.MIN_STEPS
+
+
+def test_a_tiny_corpus_over_a_long_budget_gets_heavy_regularisation():
+    small_text = choose(50_000, 1024, max_time=1800, max_steps=None, speed=speeds(CPU))
+    large_text = choose(5_000_000, 1024, max_time=1800, max_steps=None, speed=speeds(CPU))
+    assert small_text.passes > large_text.passes
+    assert small_text.dropout > large_text.dropout
+    assert small_text.weight_decay >= large_text.weight_decay
+
+
+def test_a_large_corpus_on_a_fast_machine_trains_the_large_model_without_dropout():
+    chosen = choose(1_000_000_000, 1024, max_time=3600, max_steps=None, speed=speeds(GPU))
+    assert chosen.preset == "large"
+    assert chosen.dropout == 0.0 and chosen.passes < 2
+
+
+def test_a_size_too_slow_even_at_the_smaller_ones_speed_is_not_measured():
+    asked: list[str] = []
+    assert choose(SHAKESPEARE, 1024, max_time=120, max_steps=None, speed=speeds(CPU, asked)).preset == "small"
+    assert asked == ["small"]  # medium could not make enough steps even at small's speed
+    asked.clear()
+    assert choose(SHAKESPEARE, 1024, max_time=300, max_steps=None, speed=speeds(CPU, asked)).preset == "small"
+    assert asked == ["small", "medium"]  # medium measured and found too slow; large never built
+
+
+def test_a_budget_in_steps_needs_no_measurement():
+    chosen = choose(SHAKESPEARE, 1024, max_time=None, max_steps=3000, speed=speeds({}))
+    assert chosen.tokens_per_s is None and chosen.max_time is None and chosen.steps == 3000
+    assert chosen.passes == pytest.approx(3000 * recipe.tokens_per_step(chosen.preset) / SHAKESPEARE, rel=0.01)
+
+
+def test_a_named_preset_is_kept():
+    chosen = choose(SHAKESPEARE, 1024, max_time=None, max_steps=None, speed=speeds(CPU), presets=("small",))
+    assert chosen.preset == "small"
+
+
+def test_checks_are_spread_over_the_budget():
+    for max_steps in (40, 900, 12_000):
+        chosen = choose(SHAKESPEARE, 1024, max_time=None, max_steps=max_steps, speed=speeds({}))
+        assert max_steps / chosen.eval_interval == pytest.approx(recipe.CHECKS_PER_RUN, rel=0.7)
+        assert 1 <= chosen.warmup_steps <= max_steps // 10
+
+
+def test_the_regularisation_table_grows_with_passes():
+    rows = recipe.REGULARISATION
+    assert [row.passes for row in rows] == sorted(row.passes for row in rows)
+    assert [row.dropout for row in rows] == sorted(row.dropout for row in rows)
+
+
+def test_training_json_records_the_recipe_and_explicit_options_win(tmp_path, corpus, one_thread):
+    out = train_tiny(corpus, tmp_path / "run", max_steps=6, eval_interval=None, ema=0.0, dropout=0.05)
+    info = json.loads((out / TRAINING_INFO).read_text())
+    chosen, options = info["recipe"], info["options"]
+    assert chosen["preset"] == "tiny" and chosen["steps"] == 6  # --preset tiny and --max-steps 6, kept
+    assert options["ema"] == 0.0 and options["dropout"] == 0.05  # given: they win over the recipe
+    assert options["eval_interval"] == chosen["eval_interval"] and options["patience"] == chosen["patience"]
+    assert info["settings"]["dropout"] == 0.05
+
+
+def test_resume_goes_on_with_the_recipe_it_started_with(tmp_path, corpus, one_thread, monkeypatch):
+    out = train_tiny(corpus, tmp_path / "run", max_steps=4, eval_interval=None, dtype="auto")
+    first = json.loads((out / TRAINING_INFO).read_text())
+
+    def refuse(*_, **__):
+        raise AssertionError("a resumed run must not choose a new recipe")
+
+    monkeypatch.setattr(recipe, "choose", refuse)
+    train_tiny(corpus, out, resume=True, max_steps=8, eval_interval=None, dtype="auto")
+    resumed = json.loads((out / TRAINING_INFO).read_text())
+    assert resumed["step"] == 8
+    assert resumed["recipe"] == first["recipe"]
+    for name in ("lr", "eval_interval", "patience", "keep_best", "dropout", "dtype"):
+        assert resumed["options"][name] == first["options"][name], name
