@@ -26,11 +26,12 @@ def speeds(table: dict[str, float], asked: list[str] | None = None):
     return speed
 
 
-def test_a_short_budget_trains_the_small_model_without_dropout():
-    chosen = choose(SHAKESPEARE, 1024, max_time=120, max_steps=None, speed=speeds(CPU))
-    assert chosen.preset == "small"
-    assert chosen.dropout <= recipe.SHORT_RUN_DROPOUT  # still learning: dropout would only slow it
-    assert chosen.keep_best and chosen.patience > 0
+def test_a_short_budget_trains_the_small_model_regularised_less_than_a_long_one():
+    short = choose(SHAKESPEARE, 1024, max_time=120, max_steps=None, speed=speeds(CPU))
+    long = choose(SHAKESPEARE, 1024, max_time=1800, max_steps=None, speed=speeds(CPU), presets=("small",))
+    assert short.preset == "small" and short.passes < long.passes
+    assert short.dropout < long.dropout and short.weight_decay <= long.weight_decay
+    assert short.keep_best and short.patience > 0
 
 
 def test_the_default_budget_on_shakespeare_trains_a_larger_regularised_model():
@@ -65,10 +66,17 @@ def test_a_size_too_slow_even_at_the_smaller_ones_speed_is_not_measured():
     assert asked == ["small", "medium"]  # medium measured and found too slow; large never built
 
 
-def test_a_budget_in_steps_needs_no_measurement():
-    chosen = choose(SHAKESPEARE, 1024, max_time=None, max_steps=3000, speed=speeds({}))
-    assert chosen.tokens_per_s is None and chosen.max_time is None and chosen.steps == 3000
-    assert chosen.passes == pytest.approx(3000 * recipe.tokens_per_step(chosen.preset) / SHAKESPEARE, rel=0.01)
+def test_a_budget_in_steps_chooses_a_size_the_default_budget_affords():
+    chosen = choose(SHAKESPEARE, 1024, max_time=None, max_steps=3000, speed=speeds(CPU))
+    assert chosen.preset == "medium" and chosen.max_time is None and chosen.steps == 3000
+    assert chosen.passes == pytest.approx(3000 * recipe.tokens_per_step("medium") / SHAKESPEARE, rel=0.01)
+    slow = {name: rate / 4 for name, rate in CPU.items()}  # medium would make too few steps in the default budget
+    assert choose(SHAKESPEARE, 1024, max_time=None, max_steps=3000, speed=speeds(slow)).preset == "small"
+
+
+def test_one_size_and_a_budget_in_steps_need_no_measurement():
+    chosen = choose(SHAKESPEARE, 1024, max_time=None, max_steps=3000, speed=speeds({}), presets=("small",))
+    assert chosen.tokens_per_s is None and chosen.steps == 3000
 
 
 def test_a_named_preset_is_kept():
@@ -78,7 +86,7 @@ def test_a_named_preset_is_kept():
 
 def test_checks_are_spread_over_the_budget():
     for max_steps in (40, 900, 12_000):
-        chosen = choose(SHAKESPEARE, 1024, max_time=None, max_steps=max_steps, speed=speeds({}))
+        chosen = choose(SHAKESPEARE, 1024, max_time=None, max_steps=max_steps, speed=speeds(CPU))
         assert max_steps / chosen.eval_interval == pytest.approx(recipe.CHECKS_PER_RUN, rel=0.7)
         assert 1 <= chosen.warmup_steps <= max_steps // 10
 
@@ -113,3 +121,10 @@ def test_resume_goes_on_with_the_recipe_it_started_with(tmp_path, corpus, one_th
     assert resumed["recipe"] == first["recipe"]
     for name in ("lr", "eval_interval", "patience", "keep_best", "dropout", "dtype"):
         assert resumed["options"][name] == first["options"][name], name
+
+
+def test_the_shipped_models_schedule_is_the_recipes():
+    """make default-model gives only what the recipe would not choose (Makefile): the rest is the recipe's."""
+    chosen = choose(360_000, 1536, max_time=None, max_steps=2400, speed=speeds({}), presets=("medium",))
+    assert (chosen.lr, chosen.weight_decay, chosen.ema, chosen.eval_interval) == (1.5e-3, 0.3, 0.995, 100)
+    assert chosen.keep_best and chosen.patience == 3 and chosen.optimizer == "adamw"

@@ -8,8 +8,8 @@ The choice reads three tables, each set by measurements (docs/recipe.md has the 
   larger model) or ENOUGH_TOKENS_PER_PARAMETER tokens per parameter (a large corpus: Chinchilla's
   rule); where none does, the smallest;
 - the regularisation (dropout, weight decay, weight average) from how many passes over the
-  training tokens the budget buys and how many steps it runs: a run that sees its text dozens of
-  times needs heavy dropout; a short run is still learning, and dropout would only slow it;
+  training tokens the budget buys: a run that sees its text dozens of times needs heavy dropout,
+  one that reads it once needs none;
 - the learning rate of each size.
 
 Every recipe keeps the best held-out check and stops PATIENCE checks after it, so no run publishes
@@ -53,11 +53,10 @@ class Regularisation:
 
 REGULARISATION = (
     Regularisation(passes=2, dropout=0.0, weight_decay=0.1, ema=0.0),
-    Regularisation(passes=8, dropout=0.1, weight_decay=0.1, ema=0.99),
-    Regularisation(passes=30, dropout=0.2, weight_decay=0.1, ema=0.995),
+    Regularisation(passes=6, dropout=0.1, weight_decay=0.1, ema=0.99),
+    Regularisation(passes=15, dropout=0.2, weight_decay=0.1, ema=0.995),
     Regularisation(passes=math.inf, dropout=0.3, weight_decay=0.3, ema=0.995),
 )
-SHORT_RUN_STEPS, SHORT_RUN_DROPOUT = 1500, 0.1  # a run shorter than this is still learning: dropout at most this
 
 
 @dataclass
@@ -118,30 +117,32 @@ def choose(
 ) -> Recipe:
     """The recipe for `train_tokens` of training text within the budget.
 
-    `speed(preset)` measures tokens/s of a preset on this machine (called only when the budget is in
-    time, smallest preset first, and not beyond the first that is too slow). `presets` are the sizes
-    to choose among (one, when the user named it).
+    `speed(preset)` measures tokens/s of a preset on this machine (smallest preset first, and not
+    beyond the first that is too slow; not at all for one preset and a budget in steps). `presets`
+    are the sizes to choose among (one, when the user named it).
     """
     if max_time is None and max_steps is None:
         max_time = DEFAULT_BUDGET
+    # A budget in steps alone still compares sizes by time: a larger one must be trained enough within
+    # the default budget's time, so that --max-steps on a slow machine does not choose a size it cannot afford.
+    within = max_time if max_time is not None else DEFAULT_BUDGET
     chosen, rate = presets[0], None
     for index, preset in enumerate(presets):
-        if index and not _worth_it(preset, _steps(preset, max_time, max_steps, rate), train_tokens, vocab_size):
+        if index and not _worth_it(preset, _steps(preset, within, max_steps, rate), train_tokens, vocab_size):
             break  # not trained enough even at the smaller size's speed: no need to measure it
-        measured = speed(preset) if max_time is not None else None
-        if index and not _worth_it(preset, _steps(preset, max_time, max_steps, measured), train_tokens, vocab_size):
+        measured = speed(preset) if max_time is not None or len(presets) > 1 else None
+        if index and not _worth_it(preset, _steps(preset, within, max_steps, measured), train_tokens, vocab_size):
             break
         chosen, rate = preset, measured
     steps = _steps(chosen, max_time, max_steps, rate)
     passes = steps * tokens_per_step(chosen) / max(train_tokens, 1)
     regularisation = next(row for row in REGULARISATION if passes <= row.passes)
-    dropout = regularisation.dropout if steps >= SHORT_RUN_STEPS else min(regularisation.dropout, SHORT_RUN_DROPOUT)
     warmup = round(min(MAX_WARMUP, max(MIN_WARMUP, WARMUP_FRACTION * steps)))
     return Recipe(
         preset=chosen,
         dtype=dtype,
         optimizer=OPTIMIZER,
-        dropout=dropout,
+        dropout=regularisation.dropout,
         weight_decay=regularisation.weight_decay,
         ema=regularisation.ema,
         lr=LEARNING_RATES[chosen],
