@@ -20,6 +20,8 @@ from aftgen.errors import AftgenError
 from aftgen.mixers import AFTMixer
 from aftgen.training import TrainOptions, train
 
+pytestmark = pytest.mark.cpu  # torchrun over gloo, CPU autocast, CPU threads: these are about the CPU
+
 # Dropout 0 (the tiny preset's), so the only difference between the runs is float rounding.
 TRAIN = ["--preset", "tiny", "--vocab-size", "400", "--eval-interval", "3", "--threads", "1", "--device", "cpu"]
 GLOBAL_BATCH = 8
