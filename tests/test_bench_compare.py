@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import DEVICE
 from typer.testing import CliRunner
 
 from aftgen.bench.mixers import comparison_targets, probe, with_ratios
@@ -13,7 +14,7 @@ from aftgen.mixers import MIXERS
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_probe_times_a_training_step_and_the_mixer_alone(mixer):
     for kind in ("train", "mixer"):
-        got = probe(kind, mixer, 256, repeats=1, threads=1)
+        got = probe(kind, mixer, 256, repeats=1, threads=1, device=DEVICE)
         assert got["batch"] == 16  # 4,096 tokens per step at every length
         assert got["seconds"] > 0 and got["tokens_per_s"] == pytest.approx(4096 / got["seconds"])
 
@@ -41,7 +42,7 @@ def test_bench_train_takes_turns_over_all_configurations_and_keeps_each_ones_fas
 
     calls = []
 
-    def fake_probe(function, kind, mixer, length, repeats, threads):
+    def fake_probe(function, kind, mixer, length, repeats, threads, device, dtype):
         calls.append((kind, mixer, length))
         round_number = calls.count((kind, mixer, length))
         # aft_local is slowed in round 1 (a busy spell), attention in round 2
