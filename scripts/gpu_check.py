@@ -36,7 +36,8 @@ CORPUS_PLACES = (
 PACKAGES = ("torch", "triton", "numpy", "typer", "sentencepiece", "safetensors", "huggingface-hub", "rich",
             "starlette", "uvicorn", "openai", "pydantic", "pytest", "hypothesis", "pytest-xdist")  # fmt: skip
 TRAIN_MARGIN = 45  # seconds a training run takes beyond --max-time: start, corpus, the final held-out score
-LOG_TAIL = 4000  # characters of each stage's output kept in log.txt
+LOG_TAIL = 4000
+MODEL_TESTS = ("aft", "mixers", "sampling", "training", "serve", "cli", "bench_compare")  # characters of each stage's output kept in log.txt
 
 
 @dataclass
@@ -66,7 +67,8 @@ class Sizes:
                 serve=["--tokens", "16", "--rounds", "1"],
             )
         return cls(
-            suite=["-m", "not cpu"],
+            # The model-heavy files first: with -x, a failure elsewhere then stops the suite after them.
+            suite=["-m", "not cpu", *(f"tests/test_{name}.py" for name in MODEL_TESTS), "tests"],
             train=[],
             train_time=120,
             compile_time=120,
