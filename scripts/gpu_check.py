@@ -37,7 +37,15 @@ PACKAGES = ("torch", "triton", "numpy", "typer", "sentencepiece", "safetensors",
             "starlette", "uvicorn", "openai", "pydantic", "pytest", "hypothesis", "pytest-xdist")  # fmt: skip
 TRAIN_MARGIN = 45  # seconds a training run takes beyond --max-time: start, corpus, the final held-out score
 LOG_TAIL = 4000
-MODEL_TESTS = ("aft", "mixers", "sampling", "training", "serve", "cli", "bench_compare")  # characters of each stage's output kept in log.txt
+MODEL_TESTS = (
+    "aft",
+    "mixers",
+    "sampling",
+    "training",
+    "serve",
+    "cli",
+    "bench_compare",
+)  # characters of each stage's output kept in log.txt
 
 
 @dataclass

@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_check.py"
-STAGES = ["environment", "parity", "suite", "train_bf16", "bench_train", "bench_generate", "bench_serve", "train_compile"]
+STAGES = [
+    "environment",
+    "parity",
+    "suite",
+    "train_bf16",
+    "bench_train",
+    "bench_generate",
+    "bench_serve",
+    "train_compile",
+]
 
 
 @pytest.mark.cpu  # the GPU's own run is the script itself; inside it, this test would run the script again
