@@ -246,7 +246,7 @@ class Check:
                 "train_compile",
                 sizes.compile_time + 120,
                 lambda s: self.train(s, "--dtype", "bf16", "--compile", seconds=sizes.compile_time),
-            ),  # fmt: skip
+            ),
         ]
 
     def run(self, only: set[str] | None) -> list[Stage]:
@@ -345,20 +345,27 @@ def _summary(stage: Stage) -> list[str]:
     if stage.name == "environment":
         packages = ", ".join(f"{k} {v}" for k, v in f["packages"].items() if v)
         gpu = f"{f['gpu']}, {f['gpu_memory_gib']} GiB, sm {f['compute_capability']}" if "gpu" in f else "no GPU"
-        return [f"environment: {gpu}; Python {f['python']}, CUDA {f['torch_cuda']}", f"packages: {packages}",
-                f"corpus: {f['corpus']} ({f['corpus_mb']} MB)"]  # fmt: skip
+        return [
+            f"environment: {gpu}; Python {f['python']}, CUDA {f['torch_cuda']}",
+            f"packages: {packages}",
+            f"corpus: {f['corpus']} ({f['corpus_mb']} MB)",
+        ]
     if stage.name == "suite":
-        return [f"suite: {f.get('passed', 0)} passed, {f.get('failed', 0)} failed, {f.get('errors', 0)} errors, "
-                f"{f.get('skipped', 0)} skipped" + (f"; first failure: {f['first_failure']}" if f.get("first_failure") else "")]  # fmt: skip
+        counts = ", ".join(f"{f.get(k, 0)} {k}" for k in ("passed", "failed", "errors", "skipped"))
+        return [f"suite: {counts}" + (f"; first failure: {f['first_failure']}" if f.get("first_failure") else "")]
     if stage.name == "parity":
-        return [f"parity over {f['tokens']} tokens: fp32 max |diff| {f['fp32_max_diff']:.2e}, bf16 {f['bf16_max_diff']:.3g}, "
-                f"bf16 vs fp32 {f['bf16_vs_fp32_max_diff']:.3g} (logits up to {f['logit_scale']}), "
-                f"bf16 top-1 agreement {f['bf16_top1_agreement']:.4f}"]  # fmt: skip
+        return [
+            f"parity over {f['tokens']} tokens, max |logit diff|: fp32 {f['fp32_max_diff']:.2e}, "
+            f"bf16 {f['bf16_max_diff']:.3g}, bf16 vs fp32 {f['bf16_vs_fp32_max_diff']:.3g} "
+            f"(logits up to {f['logit_scale']}); bf16 top-1 agreement {f['bf16_top1_agreement']:.4f}"
+        ]
     if "nats_per_char" in f:
-        return [f"{stage.name}: held-out {f['nats_per_char']:.4f} nats/char ({f['bits_per_char']:.4f} bits/char) after "
-                f"{f['steps']} steps in {f['elapsed']:.0f} s; {f['tokens_per_s']:,.0f} tokens/s (median of checks), "
-                f"{f['tokens_per_s_overall']:,.0f} overall"
-                + (f"; {f['note']}" if f.get("note") else "")]  # fmt: skip
+        note = f"; {f['note']}" if f.get("note") else ""
+        return [
+            f"{stage.name}: held-out {f['nats_per_char']:.4f} nats/char ({f['bits_per_char']:.4f} bits/char) "
+            f"after {f['steps']} steps in {f['elapsed']:.0f} s; {f['tokens_per_s']:,.0f} tokens/s "
+            f"(median of checks), {f['tokens_per_s_overall']:,.0f} overall{note}"
+        ]
     return [f"{stage.name}: {_row_text(row)}" for row in f.get("rows", []) if _headline(stage.name, row)]
 
 
@@ -407,8 +414,10 @@ def _junit_counts(report: Path) -> dict:
     suite = ElementTree.parse(report).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     counts = {name: int(suite.get(name, 0)) for name in ("tests", "failures", "errors", "skipped")}
-    first = next((case for case in suite.iter("testcase") if case.find("failure") is not None
-                  or case.find("error") is not None), None)  # fmt: skip
+    broken = [
+        case for case in suite.iter("testcase") if case.find("failure") is not None or case.find("error") is not None
+    ]
+    first = broken[0] if broken else None
     return {
         "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
         "failed": counts["failures"],
@@ -439,8 +448,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="Folder for results.json, report.txt and log.txt.")
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu.")
-    parser.add_argument("--quick", action=argparse.BooleanOptionalAction, default=None,
-                        help="Small sizes (default: on the CPU only).")  # fmt: skip
+    quick = "Small sizes (default: on the CPU only)."
+    parser.add_argument("--quick", action=argparse.BooleanOptionalAction, default=None, help=quick)
     parser.add_argument("--corpus", type=Path, help="Text to train on (default: Tiny Shakespeare if found).")
     parser.add_argument("--only", help="Comma-separated stages to run (a rerun of some); environment always runs.")
     parser.add_argument("--eager", action="store_true", help="Turn torch.compile off in every stage (faster on a CPU).")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import DEVICE
+from conftest import DEVICE, on_device
 from typer.testing import CliRunner
 
 from aftgen.bench.mixers import comparison_targets, probe, with_ratios
@@ -104,14 +104,14 @@ def test_bench_generate_reports_every_measure_and_judges_its_targets(monkeypatch
     from aftgen.bench import generate as bench
     from aftgen.model import AFTLM, AFTConfig
 
-    monkeypatch.setattr(bench, "CONTEXTS", (64, 96, 128, 160))
-    monkeypatch.setattr(bench, "GENERATED", (200, 600))
     monkeypatch.setattr(bench, "STRETCH", 100)
     monkeypatch.setattr(bench, "ROUNDS", 3)
     monkeypatch.setattr(bench, "compile_step", lambda model: (model.step, "eager (test)"))
     monkeypatch.setattr(bench, "compile_prefill", lambda model, length: (model.prefill, "eager (test)"))
     model = AFTLM(AFTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=2, window=8, context_length=32)).eval()
-    rows = bench.bench_generate(model, log=lambda line: None)
+    rows = bench.bench_generate(
+        on_device(model), log=lambda line: None, contexts=(64, 96, 128, 160), generated=(200, 600)
+    )
     by_measure = {}
     for row in rows:
         by_measure.setdefault(row["measure"], []).append(row)
