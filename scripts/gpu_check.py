@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -251,6 +252,11 @@ class Check:
 
     def run(self, only: set[str] | None) -> list[Stage]:
         stages = [stage for stage in self.stages() if only is None or stage.name in only or stage.name == "environment"]
+        names = [stage.name for stage in self.stages()]
+        unknown = sorted((only or set()) - set(names))
+        if unknown:
+            print(f"error: --only: no stage {', '.join(unknown)}; choose from: {', '.join(names)}", file=sys.stderr)
+            raise SystemExit(2)
         for stage in stages:
             left = self.deadline - time.monotonic()
             if left < 10:
@@ -461,7 +467,10 @@ def main() -> int:
         print(f"error: --corpus {args.corpus}: no such file", file=sys.stderr)
         return 2
     check = Check(args)
-    stages = check.run(set(args.only.split(",")) if args.only else None)
+    try:
+        stages = check.run(set(args.only.split(",")) if args.only else None)
+    finally:
+        shutil.rmtree(check.work, ignore_errors=True)  # the runs' checkpoints: their figures are in results.json
     print(report(stages, check.device, check.quick), end="")
     return 0 if all(stage.ok for stage in stages) else 1
 
