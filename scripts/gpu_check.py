@@ -387,7 +387,8 @@ def _headline(stage: str, row: dict) -> bool:
 
 
 def _row_text(row: dict) -> str:
-    where = ", ".join(f"{k} {row[k]}" for k in ("mixer", "length", "context", "streams", "generated") if k in row)
+    keys = ("mixer", "length", "context", "streams", "generated", "compared")
+    where = ", ".join(f"{k} {row[k]}" for k in keys if k in row)
     ratio = f" ({row['vs_attention']}x attention)" if "vs_attention" in row else ""
     verdict = f" [{'ok' if row['ok'] else 'missed'}: {row['target']}]" if "target" in row else ""
     return (

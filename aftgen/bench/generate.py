@@ -68,8 +68,11 @@ def bench_generate(
     # The step's cost does not depend on the context, so the ratios take the median of its four
     # timings: one context's timing alone can be far off on a shared machine.
     typical = statistics.median(latency.values())
-    rows.append(TARGETS["latency growth"].judge(latency[contexts[-1]] / latency[contexts[0]]))
-    rows.append(TARGETS["memory growth"].judge(memory[generated[-1]][1] - memory[generated[0]][1]))
+    # The targets name the default lengths; `compared` says which these rows compare.
+    growth = latency[contexts[-1]] / latency[contexts[0]]
+    rows.append(TARGETS["latency growth"].judge(growth) | {"compared": f"context {contexts[0]} -> {contexts[-1]}"})
+    weight = memory[generated[-1]][1] - memory[generated[0]][1]
+    rows.append(TARGETS["memory growth"].judge(weight) | {"compared": f"generated {generated[0]} -> {generated[-1]}"})
     rows.append(TARGETS["ingestion speed-up"].judge(ingest * typical / 1e3))
     # What this machine allows at best: a step can beat its matvec floor, but ingestion cannot beat its matmuls.
     row("ingestion speed-up ceiling (step / matmul ceiling)", typical / ceiling, "x")
