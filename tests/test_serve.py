@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, on_device
 from typer.testing import CliRunner
 
 from aftgen.api import load
@@ -110,7 +110,7 @@ def test_batched_step_matches_each_sequence_alone(mixer):
     batch-1 step (so greedy picks agree), and a row that leaves has its own state and position back."""
     torch.manual_seed(0)
     config = AFTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=4, window=5, context_length=16, mixer=mixer)
-    model = AFTLM(config).eval()
+    model = on_device(AFTLM(config).eval())
     with torch.inference_mode():
         positions = [3, 8, 13, 1, 6]
         alone = [model.prefill(torch.randint(0, 64, (1, n)), last_only=True)[1] for n in positions]

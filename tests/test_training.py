@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import train_tiny
+from conftest import on_device, train_tiny
 from safetensors.torch import load_file
 
 from aftgen import evaluate
@@ -102,11 +102,11 @@ def test_half_precision_weights_halve_the_file_and_load_as_fp32(tmp_path, corpus
 
 def test_held_out_check_over_many_windows_is_the_plain_mean(tmp_path):
     torch.manual_seed(0)
-    model = AFTLM(AFTConfig(vocab_size=50, n_layer=1, n_embd=16, n_head=2, window=4, context_length=16))
+    model = on_device(AFTLM(AFTConfig(vocab_size=50, n_layer=1, n_embd=16, n_head=2, window=4, context_length=16)))
     ids = torch.randint(0, 50, (2000,))
     length, windows = 16, 70  # more windows than one group of 32
     stride = (len(ids) - length - 1) // windows
-    rows = torch.stack([ids[i * stride : i * stride + length + 1] for i in range(windows)])
+    rows = on_device(torch.stack([ids[i * stride : i * stride + length + 1] for i in range(windows)]))
     with torch.no_grad():
         expected = F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
     assert evaluate.window_loss(model, ids, length, windows) == pytest.approx(float(expected), rel=1e-5)
