@@ -114,8 +114,8 @@ def test_streaming_holds_byte_pieces_until_a_character_is_whole(tiny):
 
 def test_cli_stream_through_a_pipe_is_valid_utf8(tiny_run):
     done = subprocess.run(
-        [sys.executable, "-m", "aftgen", "sample", "--model", str(tiny_run), "--device", DEVICE, "-p", "\U0001f600 \u65e5", "-n", "60",
-         "--temperature", "3", "--seed", "1"],
+        [sys.executable, "-m", "aftgen", "sample", "--model", str(tiny_run), "--device", DEVICE,
+         "-p", "\U0001f600 \u65e5", "-n", "60", "--temperature", "3", "--seed", "1"],
         capture_output=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -242,7 +242,8 @@ def _read_into(stream, sink: list[bytes]) -> None:
 
 def test_chat_ctrl_c_stops_the_reply_and_ctrl_d_exits(tiny_run):
     chat = subprocess.Popen(
-        [sys.executable, "-m", "aftgen", "chat", "--model", str(tiny_run), "--device", DEVICE, "-n", "-1", "--stop", "NEVER-STOP-7"],
+        [sys.executable, "-m", "aftgen", "chat", "--model", str(tiny_run), "--device", DEVICE,
+         "-n", "-1", "--stop", "NEVER-STOP-7"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     out, err = [], []
