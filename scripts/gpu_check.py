@@ -327,7 +327,7 @@ figures = {
     "bf16_top1_agreement": (mixed.argmax(-1) == exact.argmax(-1)).float().mean().item(),
 }
 figures["ok"] = (figures["fp32_max_diff"] <= 1e-3 and figures["bf16_max_diff"] <= 0.05 * scale
-                 and figures["bf16_vs_fp32_max_diff"] <= 0.05 * scale and figures["bf16_top1_agreement"] >= 0.95)
+                 and figures["bf16_vs_fp32_max_diff"] <= 0.05 * scale and figures["bf16_top1_agreement"] >= 0.9)
 print(json.dumps(figures))
 """
 
