@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -132,21 +133,29 @@ class Check:
         return path
 
     def command(self, stage: Stage, args: list[str], env: dict | None = None) -> str:
-        """Run `args` within the stage's time; its output, or StageFailed with the end of it."""
+        """Run `args` within the stage's time; its output, or StageFailed with the end of it.
+
+        In a session of its own: on a timeout the whole group goes (pytest's workers, a bench's server,
+        its probe processes), so nothing of this stage runs on into the next one's timings.
+        """
         limit = min(stage.timeout, self.deadline - time.monotonic())
         stage.log.append("$ " + " ".join(args))
+        process = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            env=os.environ | self.env | (env or {}), start_new_session=True,
+        )  # fmt: skip
         try:
-            done = subprocess.run(
-                args, capture_output=True, text=True, timeout=limit, cwd=ROOT, env=os.environ | self.env | (env or {})
-            )
-        except subprocess.TimeoutExpired as exc:
-            stage.log.append(_text(exc.stdout)[-LOG_TAIL:] + _text(exc.stderr)[-LOG_TAIL:])
+            stdout, stderr = process.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            stage.log.append(stdout[-LOG_TAIL:] + stderr[-LOG_TAIL:])
             raise StageFailed(f"timed out after {limit:.0f} s") from None
-        stage.log.append(done.stdout[-LOG_TAIL:] + done.stderr[-LOG_TAIL:])
-        if done.returncode != 0:
-            last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or [""]
-            raise StageFailed(f"exit {done.returncode}: {last[0][:300]}")
-        return done.stdout
+        stage.log.append(stdout[-LOG_TAIL:] + stderr[-LOG_TAIL:])
+        if process.returncode != 0:
+            last = (stderr.strip() or stdout.strip()).splitlines()[-1:] or [""]
+            raise StageFailed(f"exit {process.returncode}: {last[0][:300]}")
+        return stdout
 
     def aftgen(self, stage: Stage, *args: str) -> str:
         return self.command(stage, [sys.executable, "-m", "aftgen", *args])
@@ -443,10 +452,6 @@ def _version(name: str) -> str:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return ""
-
-
-def _text(data: str | bytes | None) -> str:
-    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
 
 
 def _write(path: Path, text: str) -> None:
