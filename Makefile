@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install test lint default-model clean
+.PHONY: install test lint default-model gpu-check gpu-bundle clean
 
 install: $(VENV)/.installed
 
@@ -17,8 +17,8 @@ test: lint
 	$(PY) -m pytest
 
 lint: install
-	$(VENV)/bin/ruff check aftgen tests
-	$(VENV)/bin/ruff format --check aftgen tests
+	$(VENV)/bin/ruff check aftgen tests scripts
+	$(VENV)/bin/ruff format --check aftgen tests scripts
 
 # The shipped model: trained with aftgen itself on Tiny Shakespeare (about 35 minutes on 2 CPU cores,
 # bf16 autocast), bounded by steps so that a busy machine changes the time, not the model. The
@@ -33,6 +33,20 @@ default-model: install
 	mkdir -p models/shakespeare
 	cp runs/shakespeare/config.json runs/shakespeare/model.safetensors runs/shakespeare/tokenizer.model \
 		models/shakespeare/
+
+# The check of every CUDA path (scripts/gpu_check.py): the suite on the device, parity of the two forms,
+# training (bf16, --compile), the benches. On a GPU machine without this venv, call the script with its
+# python3 (GPU_CHECK_PY=python3); DEVICE=cpu runs it here at small sizes in about a minute.
+OUT ?= gpu-check
+DEVICE ?= cuda
+GPU_CHECK_PY ?= $(PY)
+gpu-check: $(if $(filter $(PY),$(GPU_CHECK_PY)),install)
+	$(GPU_CHECK_PY) scripts/gpu_check.py $(OUT) --device $(DEVICE)
+
+# What a machine with no network needs beside its own torch: the serve and test extras as wheels for its
+# Python (3.12), the versions of this venv, and Tiny Shakespeare; carried there as one ignored folder.
+gpu-bundle: install
+	scripts/gpu_bundle.sh $(PY) $(SHAKESPEARE)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -40,8 +40,12 @@ class Placement:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
+    @property
+    def dtype_name(self) -> str:
+        return next(k for k, v in DTYPES.items() if v == self.dtype)
+
     def describe(self) -> str:
-        return f"{self.device} {next(k for k, v in DTYPES.items() if v == self.dtype)}"
+        return f"{self.device} {self.dtype_name}"
 
 
 def _mps_available() -> bool:

@@ -1,4 +1,9 @@
-"""Shared fixtures: a small synthetic corpus and one tiny trained run, made fresh for the session."""
+"""Shared fixtures: a small synthetic corpus and one tiny trained run, made fresh for the session.
+
+AFTGEN_TEST_DEVICE (default cpu) is where every test that builds a model, trains, samples or serves
+runs it: `AFTGEN_TEST_DEVICE=cuda pytest` is the suite on a GPU. Tests about the CPU itself carry
+the `cpu` marker and run there whatever the variable says (`-m "not cpu"` leaves them out).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+DEVICE = os.environ.get("AFTGEN_TEST_DEVICE", "cpu")
 
 WORDS = (
     "the king queen lord lady sword crown night day love death heart blood fair foul sweet bitter "
@@ -29,6 +36,33 @@ def make_corpus(chars: int, seed: int = 0) -> str:
             lines.append(" ".join(words).capitalize() + rng.choice([".", ",", "!", "?"]))
         lines.append("")
     return "\n".join(lines)[:chars]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu: about the CPU itself; runs there whatever AFTGEN_TEST_DEVICE says")
+    if DEVICE != "cpu":
+        from aftgen.device import pick_device
+        from aftgen.errors import AftgenError
+
+        try:
+            pick_device(DEVICE)
+        except AftgenError as exc:
+            raise pytest.UsageError(f"AFTGEN_TEST_DEVICE={DEVICE}: {exc}") from None
+
+
+def on_device(value):
+    """A tensor or module moved to the device under test."""
+    return value.to(DEVICE)
+
+
+@pytest.fixture(autouse=True)
+def _exact_matmuls():
+    """Full fp32 matmuls on a GPU: training turns TF32 on (aftgen.device.resolve), and the tests compare
+    forms of the model to 1e-5, which TF32's 10-bit mantissa cannot hold."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 @pytest.fixture
@@ -60,7 +94,7 @@ def train_tiny(corpus: Path, out: Path, on_eval=None, **changes) -> Path:
     from aftgen.training import TrainOptions, train
 
     # fp32: the recipe's measured choice of dtype would make two runs' weights differ by chance
-    options = dict(preset="tiny", vocab_size=400, max_steps=8, eval_interval=2, device="cpu", dtype="fp32") | changes
+    options = dict(preset="tiny", vocab_size=400, max_steps=8, eval_interval=2, device=DEVICE, dtype="fp32") | changes
     return train(TrainOptions(corpus=corpus, out=out, **options), quiet=True, on_eval=on_eval)
 
 
@@ -72,7 +106,14 @@ def tiny_run(tmp_path_factory, corpus) -> Path:
     out = tmp_path_factory.mktemp("runs") / "tiny"
     train(
         TrainOptions(
-            corpus=corpus, out=out, preset="tiny", max_steps=40, eval_interval=20, vocab_size=400, dtype="fp32"
+            corpus=corpus,
+            out=out,
+            preset="tiny",
+            max_steps=40,
+            eval_interval=20,
+            vocab_size=400,
+            device=DEVICE,
+            dtype="fp32",
         ),
         quiet=True,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE, on_device
 
 from aftgen.mixers.aft import AFTMixer, aft_naive, aft_parallel, aft_step, empty_state, soft_cap
 from aftgen.model import AFTLM, AFTConfig
@@ -11,9 +12,9 @@ from aftgen.model import AFTLM, AFTConfig
 
 def random_inputs(B=2, T=40, H=3, D=4, s=5, seed=0, key_scale=3.0):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = torch.randn(3, B, T, H, D, generator=g).unbind(0)
-    w = soft_cap(torch.randn(H, s, generator=g) * 2)
-    decay = torch.rand(H, generator=g) * 0.3
+    q, k, v = on_device(torch.randn(3, B, T, H, D, generator=g)).unbind(0)
+    w = soft_cap(on_device(torch.randn(H, s, generator=g)) * 2)
+    decay = on_device(torch.rand(H, generator=g)) * 0.3
     return q, soft_cap(k * key_scale), v, w, decay
 
 
@@ -27,7 +28,7 @@ def test_parallel_matches_naive(s, T, chunk):
 @pytest.mark.parametrize("s", [0, 1, 5])
 def test_step_matches_naive(s):
     q, k, v, w, decay = random_inputs(T=30, s=s)
-    state = empty_state(2, 3, 4, s)
+    state = empty_state(2, 3, 4, s, device=DEVICE)
     ys = torch.stack([aft_step(q[:, t], k[:, t], v[:, t], w, decay, state) for t in range(30)], dim=1)
     assert (ys.double() - aft_naive(q, k, v, w, decay)).abs().max() < 1e-5
     assert int(state["position"]) == 30
@@ -35,10 +36,10 @@ def test_step_matches_naive(s):
 
 def test_zero_decay_is_the_papers_aft_local():
     q, k, v, w, _ = random_inputs(T=30, s=4)
-    decay = torch.zeros(3)
+    decay = on_device(torch.zeros(3))
     y, _ = aft_parallel(q, k, v, w, decay, chunk=8)
     # Beyond the window every token weighs exp(k): check position 29 by hand.
-    t, weights = 29, torch.ones(30, 3)
+    t, weights = 29, on_device(torch.ones(30, 3))
     weights[t - 3 : t + 1] = torch.exp(w.flip(1)).T
     e = torch.exp(k[0, : t + 1]) * weights[:, :, None]
     expected = torch.sigmoid(q[0, t]) * (e * v[0, : t + 1]).sum(0) / e.sum(0)
@@ -54,7 +55,7 @@ def test_state_carries_across_chunks():
         parts.append(y)
     assert (torch.cat(parts, 1) - whole).abs().max() < 1e-5
     # ...and the step form picks up from a state the parallel form wrote.
-    stepped = empty_state(2, 3, 4, 6)
+    stepped = empty_state(2, 3, 4, 6, device=DEVICE)
     for t in range(45):
         aft_step(q[:, t], k[:, t], v[:, t], w, decay, stepped)
     for name in ("window_k", "window_v", "position"):
@@ -66,7 +67,7 @@ def test_state_carries_across_chunks():
 def tiny_model(seed=0, **overrides) -> AFTLM:
     torch.manual_seed(seed)
     settings = dict(vocab_size=50, n_layer=2, n_embd=32, n_head=4, window=8, context_length=64) | overrides
-    model = AFTLM(AFTConfig(**settings)).eval()
+    model = on_device(AFTLM(AFTConfig(**settings)).eval())
     with torch.no_grad():  # non-trivial biases and decays, so the test exercises them
         for block in model.blocks:
             block.mixer.w.normal_(0, 1.0)
@@ -76,7 +77,7 @@ def tiny_model(seed=0, **overrides) -> AFTLM:
 
 def test_model_parallel_equals_recurrent_over_1000_tokens():
     model = tiny_model()
-    ids = torch.randint(0, 50, (1, 1100), generator=torch.Generator().manual_seed(1))
+    ids = on_device(torch.randint(0, 50, (1, 1100), generator=torch.Generator().manual_seed(1)))
     with torch.inference_mode():
         parallel = model(ids)
         state = model.initial_state(1)
@@ -86,7 +87,7 @@ def test_model_parallel_equals_recurrent_over_1000_tokens():
 
 def test_gradients_reach_every_parameter():
     model = tiny_model().train()
-    ids = torch.randint(0, 50, (2, 80))
+    ids = on_device(torch.randint(0, 50, (2, 80)))
     logits = model(ids)
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
     for name, p in model.named_parameters():
@@ -97,17 +98,17 @@ def test_gradients_reach_every_parameter():
 def test_huge_keys_and_long_sequences_stay_finite():
     B, T, H, D, s = 1, 16_384, 2, 4, 32
     g = torch.Generator().manual_seed(4)
-    q = torch.randn(B, T, H, D, generator=g, requires_grad=True)
-    raw_k = (torch.randn(B, T, H, D, generator=g) * 1e4).requires_grad_()
-    v = torch.randn(B, T, H, D, generator=g, requires_grad=True)
-    w = torch.full((H, s), -50.0, requires_grad=True)  # far below the cap, both ways
-    decay = torch.tensor([0.0, 5.0], requires_grad=True)
+    q = on_device(torch.randn(B, T, H, D, generator=g)).requires_grad_()
+    raw_k = on_device(torch.randn(B, T, H, D, generator=g) * 1e4).requires_grad_()
+    v = on_device(torch.randn(B, T, H, D, generator=g)).requires_grad_()
+    w = torch.full((H, s), -50.0, device=DEVICE, requires_grad=True)  # far below the cap, both ways
+    decay = torch.tensor([0.0, 5.0], device=DEVICE, requires_grad=True)
     y, _ = aft_parallel(q, soft_cap(raw_k), v, soft_cap(w), decay, chunk=64)
     y.square().sum().backward()
     assert torch.isfinite(y).all()
     for tensor in (q, raw_k, v, w, decay):
         assert torch.isfinite(tensor.grad).all()
-    state = empty_state(B, H, D, s)
+    state = empty_state(B, H, D, s, device=DEVICE)
     for t in range(200):
         out = aft_step(
             q[:, t].detach(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import DEVICE, on_device
 from typer.testing import CliRunner
 
 from aftgen.bench.mixers import comparison_targets, probe, with_ratios
@@ -14,7 +15,7 @@ from aftgen.model import PRESETS
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_probe_times_a_training_step_and_the_mixer_alone(mixer):
     for kind in ("train", "mixer"):
-        got = probe(kind, mixer, 256, repeats=1, threads=1)
+        got = probe(kind, mixer, 256, repeats=1, threads=1, device=DEVICE)
         assert got["batch"] == 16  # 4,096 tokens per step at every length
         assert got["seconds"] > 0 and got["tokens_per_s"] == pytest.approx(4096 / got["seconds"])
 
@@ -42,7 +43,7 @@ def test_bench_train_takes_turns_over_all_configurations_and_keeps_each_ones_fas
 
     calls = []
 
-    def fake_probe(function, kind, mixer, length, repeats, threads):
+    def fake_probe(function, kind, mixer, length, repeats, threads, device, dtype):
         calls.append((kind, mixer, length))
         round_number = calls.count((kind, mixer, length))
         # aft_local is slowed in round 1 (a busy spell), attention in round 2
@@ -104,14 +105,14 @@ def test_bench_generate_reports_every_measure_and_judges_its_targets(monkeypatch
     from aftgen.bench import generate as bench
     from aftgen.model import AFTLM, AFTConfig
 
-    monkeypatch.setattr(bench, "CONTEXTS", (64, 96, 128, 160))
-    monkeypatch.setattr(bench, "GENERATED", (200, 600))
     monkeypatch.setattr(bench, "STRETCH", 100)
     monkeypatch.setattr(bench, "ROUNDS", 3)
     monkeypatch.setattr(bench, "compile_step", lambda model: (model.step, "eager (test)"))
     monkeypatch.setattr(bench, "compile_prefill", lambda model, length: (model.prefill, "eager (test)"))
     model = AFTLM(AFTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=2, window=8, context_length=32)).eval()
-    rows = bench.bench_generate(model, log=lambda line: None)
+    rows = bench.bench_generate(
+        on_device(model), log=lambda line: None, contexts=(64, 96, 128, 160), generated=(200, 600)
+    )
     by_measure = {}
     for row in rows:
         by_measure.setdefault(row["measure"], []).append(row)

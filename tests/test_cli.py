@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_corpus
+from conftest import DEVICE, make_corpus, on_device
 from typer.testing import CliRunner
 
 from aftgen.api import load
@@ -33,7 +33,7 @@ def run_cli(*args: str, input: str | None = None) -> subprocess.CompletedProcess
 
 
 def test_sample_is_seeded_and_streams_only_text(tiny_run):
-    args = ["sample", "--model", str(tiny_run), "--prompt", "KING:", "-n", "40", "--seed", "3"]
+    args = ["sample", "--model", str(tiny_run), "--device", DEVICE, "--prompt", "KING:", "-n", "40", "--seed", "3"]
     first, second = runner.invoke(app, args), runner.invoke(app, args)
     assert first.exit_code == 0, first.output
     assert first.stdout == second.stdout
@@ -45,7 +45,7 @@ def test_sample_is_seeded_and_streams_only_text(tiny_run):
 
 
 def test_eval_json(tiny_run, corpus):
-    result = runner.invoke(app, ["eval", "--model", str(tiny_run), str(corpus), "--json"])
+    result = runner.invoke(app, ["eval", "--model", str(tiny_run), "--device", DEVICE, str(corpus), "--json"])
     assert result.exit_code == 0, result.output
     figures = json.loads(result.stdout)
     assert set(figures) == {"nats_per_token", "nats_per_char", "bits_per_char", "bits_per_byte", "tokens", "chars"}
@@ -71,8 +71,9 @@ def test_train_writes_a_checkpoint(tiny_run):
 def test_train_cli_in_subprocess(tmp_path, corpus):
     out = tmp_path / "run"
     done = run_cli(
-        "train", str(corpus), "--out", str(out), "--preset", "tiny", "--max-steps", "10", "--vocab-size", "300"
-    )
+        "train", str(corpus), "--out", str(out), "--preset", "tiny", "--max-steps", "10", "--vocab-size", "300",
+        "--device", DEVICE,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(out)
     again = run_cli("train", str(corpus), "--out", str(out), "--preset", "tiny", "--max-steps", "10")
@@ -88,14 +89,14 @@ def test_not_a_checkpoint(tmp_path, corpus):
 
 def direct_nll(model, ids: list[int]) -> torch.Tensor:
     """Each token's negative log-likelihood from one plain forward pass over the whole sequence."""
-    sequence = torch.tensor([ids])
+    sequence = on_device(torch.tensor([ids]))
     with torch.no_grad():
         logits = model(sequence[:, :-1])[0]
-    return F.cross_entropy(logits, sequence[0, 1:], reduction="none").double()
+    return F.cross_entropy(logits, sequence[0, 1:], reduction="none").double().cpu()
 
 
 def test_eval_figures_are_the_mean_negative_log_likelihood(tiny_run, tmp_path):
-    model, tokenizer = load(str(tiny_run))
+    model, tokenizer = load(str(tiny_run), device=DEVICE)
     text = make_corpus(6_000, seed=9) + " caf\u00e9 \u65e5\u672c"  # past one 1,024-token chunk; multi-byte characters
     path = tmp_path / "held_out.txt"
     path.write_text(text, encoding="utf-8")
@@ -105,7 +106,9 @@ def test_eval_figures_are_the_mean_negative_log_likelihood(tiny_run, tmp_path):
     for extra, windows in (([], [nll]), (["--reset-every", "300"], [])):
         if extra:  # independent windows of 300 predicted tokens, each read from BOS + its own tokens
             windows = [direct_nll(model, ids[start : start + 301]) for start in range(0, len(nll), 300)]
-        result = runner.invoke(app, ["eval", "--model", str(tiny_run), str(path), "--json", *extra])
+        result = runner.invoke(
+            app, ["eval", "--model", str(tiny_run), "--device", DEVICE, "--dtype", "fp32", str(path), "--json", *extra]
+        )
         assert result.exit_code == 0, result.output
         figures, total = json.loads(result.stdout), float(torch.cat(windows).sum())
         assert figures["tokens"] == len(ids) - 1 and figures["chars"] == len(text)
@@ -116,7 +119,21 @@ def test_eval_figures_are_the_mean_negative_log_likelihood(tiny_run, tmp_path):
 
 
 def test_num_samples_gives_that_many_different_continuations_of_one_prompt(tiny_run):
-    args = ["sample", "--model", str(tiny_run), "-p", "KING:", "-n", "30", "--seed", "2", "--num-samples", "3"]
+    args = [
+        "sample",
+        "--model",
+        str(tiny_run),
+        "--device",
+        DEVICE,
+        "-p",
+        "KING:",
+        "-n",
+        "30",
+        "--seed",
+        "2",
+        "--num-samples",
+        "3",
+    ]
     first, again = runner.invoke(app, args), runner.invoke(app, args)
     assert first.exit_code == 0, first.output
     samples = first.stdout.rstrip("\n").split("\n\n---\n\n")
@@ -128,7 +145,7 @@ def test_num_samples_gives_that_many_different_continuations_of_one_prompt(tiny_
 def test_prompt_from_stdin_or_a_file_equals_the_prompt_option(tiny_run, tmp_path):
     prompt = "KING:\nGood night, sweet \u65e5 lady."
     (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
-    common = ["sample", "--model", str(tiny_run), "-n", "25", "--seed", "4"]
+    common = ["sample", "--model", str(tiny_run), "--device", DEVICE, "-n", "25", "--seed", "4"]
     given = runner.invoke(app, [*common, "--prompt", prompt])
     piped = runner.invoke(app, [*common, "--prompt", "-"], input=prompt)
     from_file = runner.invoke(app, [*common, "--prompt-file", str(tmp_path / "prompt.txt")])

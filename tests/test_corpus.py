@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_corpus
+from conftest import DEVICE, make_corpus
 from typer.testing import CliRunner
 
 from aftgen.cli import app
@@ -297,7 +297,7 @@ def test_eval_streams_a_file_in_chunks(tmp_path, tiny_run, monkeypatch, one_thre
     from aftgen import evaluate
     from aftgen.corpus.sources import scan_file
 
-    model, tokenizer = aftgen.load(tiny_run)
+    model, tokenizer = aftgen.load(tiny_run, device=DEVICE)
     text = corpus_text(8000)
     path = write_text(tmp_path / "held.txt", text)
     whole = evaluate.evaluate_text(model, tokenizer, text, reset_every=100)

@@ -20,6 +20,8 @@ from aftgen.errors import AftgenError
 from aftgen.mixers import AFTMixer
 from aftgen.training import TrainOptions, train
 
+pytestmark = pytest.mark.cpu  # torchrun over gloo, CPU autocast, CPU threads: these are about the CPU
+
 # Dropout 0 (the tiny preset's), so the only difference between the runs is float rounding.
 # fp32, not a measured dtype; AdamW, since Muon's bf16 Newton-Schulz turns the processes' different order
 # of summing gradients into differences of 1e-4; a warmup past the last step, so the schedule of a 3-step

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 import torch
-from conftest import make_corpus, train_tiny
+from conftest import DEVICE, make_corpus, train_tiny
 from fake_hub import FakeHub
 from safetensors.torch import load_file
 from test_hub import TOKEN, aftgen, aftgen_session, hub_env
@@ -36,7 +36,7 @@ def fine_tune(corpus, out, base, on_eval=None, **changes):
     """A few steps from `base`; TrainOptions' own fine-tuning defaults unless `changes` say otherwise."""
     from aftgen.training import TrainOptions, train
 
-    options = dict(init_from=str(base), max_steps=6, eval_interval=2, device="cpu") | changes
+    options = dict(init_from=str(base), max_steps=6, eval_interval=2, device=DEVICE) | changes
     return train(TrainOptions(corpus=corpus, out=out, **options), quiet=True, on_eval=on_eval)
 
 

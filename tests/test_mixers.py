@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import DEVICE, on_device
 from typer.testing import CliRunner
 
 from aftgen.cli import app
@@ -21,7 +22,7 @@ runner = CliRunner()
 def tiny_model(mixer: str, seed: int = 0) -> AFTLM:
     torch.manual_seed(seed)
     config = AFTConfig(vocab_size=50, n_layer=2, n_embd=32, n_head=4, window=8, context_length=64, mixer=mixer)
-    model = AFTLM(config).eval()
+    model = on_device(AFTLM(config).eval())
     with torch.no_grad():  # non-trivial biases and decays, so the tests exercise them
         for block in model.blocks:
             if mixer != "attention":
@@ -31,7 +32,7 @@ def tiny_model(mixer: str, seed: int = 0) -> AFTLM:
 
 
 def token_ids(shape, seed):
-    return torch.randint(0, 50, shape, generator=torch.Generator().manual_seed(seed))
+    return on_device(torch.randint(0, 50, shape, generator=torch.Generator().manual_seed(seed)))
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
@@ -82,7 +83,7 @@ def test_aft_mixers_match_the_naive_formula(mixer):
     mixer_module = tiny_model(mixer).blocks[0].mixer
     expected_window = {"aft_local": 8, "aft_simple": 0, "aft_full": 64}[mixer]
     assert mixer_module.w.shape[1] == expected_window
-    x = torch.randn(2, 70, 32, generator=torch.Generator().manual_seed(4))
+    x = on_device(torch.randn(2, 70, 32, generator=torch.Generator().manual_seed(4)))
     with torch.no_grad():
         q, k, v = mixer_module._qkv(x)
         w, decay = soft_cap(mixer_module.w), mixer_module.decay()
@@ -97,7 +98,8 @@ def test_hand_written_backward_matches_autograd_of_the_naive_formula(s, T, chunk
         torch.randn(3, s, generator=g),
         torch.rand(3, generator=g) * 0.3,
     ]
-    weights = torch.randn(2, T, 3, 4, generator=g)  # a loss that weighs every output differently
+    inputs = [on_device(tensor) for tensor in inputs]
+    weights = on_device(torch.randn(2, T, 3, 4, generator=g))  # a loss that weighs every output differently
     grads = []
     for mix in (lambda *a: aft_parallel(*a, chunk=chunk)[0], aft_naive):
         leaves = [t.double().requires_grad_() for t in inputs]
@@ -130,11 +132,12 @@ def naive_attention(q, k, v):
 
 def test_attention_matches_masked_softmax():
     mixer_module = tiny_model("attention").blocks[0].mixer
-    x = torch.randn(2, 70, 32, generator=torch.Generator().manual_seed(6))
+    x = on_device(torch.randn(2, 70, 32, generator=torch.Generator().manual_seed(6)))
     with torch.no_grad():
         y, _ = mixer_module(x)
-        q, k, v = mixer_module.qkv(x).view(2, 70, 3, 4, 8).permute(2, 0, 3, 1, 4).double().unbind(0)
-        expected = mixer_module.proj(naive_attention(q, k, v).transpose(1, 2).reshape(2, 70, 32).float())
+        q, k, v = mixer_module.qkv(x).view(2, 70, 3, 4, 8).permute(2, 0, 3, 1, 4).double().cpu().unbind(0)
+        mixed = on_device(naive_attention(q, k, v).transpose(1, 2).reshape(2, 70, 32).float())
+        expected = mixer_module.proj(mixed)
     assert (y - expected).abs().max() < 1e-5
 
 
@@ -154,13 +157,16 @@ def test_kv_cache_grows_and_the_aft_state_does_not():
 
 def test_train_sample_eval_with_the_attention_mixer(tmp_path, corpus):
     out = tmp_path / "attention"
-    args = ["train", str(corpus), "--out", str(out), "--preset", "tiny", "--mixer", "attention", "--max-steps", "6"]
+    args = ["train", str(corpus), "--out", str(out), "--preset", "tiny", "--mixer", "attention", "--max-steps", "6",
+            "--device", DEVICE]  # fmt: skip
     result = runner.invoke(app, [*args, "--eval-interval", "3", "--vocab-size", "300", "--quiet"])
     assert result.exit_code == 0, result.output
     assert json.loads((out / "config.json").read_text())["mixer"] == "attention"
-    sampled = runner.invoke(app, ["sample", "--model", str(out), "--prompt", "KING:", "-n", "20", "--seed", "1"])
+    sampled = runner.invoke(
+        app, ["sample", "--model", str(out), "-p", "KING:", "-n", "20", "--seed", "1", "--device", DEVICE]
+    )
     assert sampled.exit_code == 0, sampled.output
-    scored = runner.invoke(app, ["eval", "--model", str(out), str(corpus), "--json"])
+    scored = runner.invoke(app, ["eval", "--model", str(out), str(corpus), "--json", "--device", DEVICE])
     assert scored.exit_code == 0, scored.output
     assert json.loads(scored.stdout)["nats_per_char"] > 0
 

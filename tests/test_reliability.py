@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_corpus, train_tiny
+from conftest import DEVICE, make_corpus, train_tiny
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -72,7 +72,7 @@ def training_command(corpus: Path, out: Path, *extra: str) -> list[str]:
         "--threads",
         "1",
         "--device",
-        "cpu",
+        DEVICE,
     ]
     return [*command, *extra]
 
@@ -657,6 +657,7 @@ print(json.dumps({"faults": sum(faults[4:]), "peak": memory_mb()[1]}))
 """
 
 
+@pytest.mark.cpu
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_reading_chunks_reuses_freed_memory_instead_of_faulting_in_fresh_pages():
     def read(mode: str) -> dict:

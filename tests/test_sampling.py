@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from conftest import DEVICE, on_device
 from typer.testing import CliRunner
 
 from aftgen import sampling
@@ -84,7 +85,7 @@ def test_stop_filter_cuts_a_stop_string_split_across_pieces():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_run):
-    return load(tiny_run)
+    return load(tiny_run, device=DEVICE)
 
 
 def run_text(model, tokenizer, prompt: str, **options) -> str:
@@ -113,8 +114,8 @@ def test_streaming_holds_byte_pieces_until_a_character_is_whole(tiny):
 
 def test_cli_stream_through_a_pipe_is_valid_utf8(tiny_run):
     done = subprocess.run(
-        [sys.executable, "-m", "aftgen", "sample", "--model", str(tiny_run), "-p", "\U0001f600 \u65e5", "-n", "60",
-         "--temperature", "3", "--seed", "1"],
+        [sys.executable, "-m", "aftgen", "sample", "--model", str(tiny_run), "--device", DEVICE,
+         "-p", "\U0001f600 \u65e5", "-n", "60", "--temperature", "3", "--seed", "1"],
         capture_output=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -148,7 +149,7 @@ def test_invalid_values_fail_before_any_work(args, message):
 
 
 def test_save_then_load_state_continues_exactly(tiny_run, tmp_path):
-    common = ["--model", str(tiny_run), "--temperature", "1.2", "--repeat-penalty", "1.3"]
+    common = ["--model", str(tiny_run), "--device", DEVICE, "--temperature", "1.2", "--repeat-penalty", "1.3"]
     whole = runner.invoke(app, ["sample", *common, "-p", "KING:", "-n", "60", "--seed", "5"])
     first = runner.invoke(
         app,
@@ -192,14 +193,14 @@ def test_cli_refuses_a_state_from_another_model(tiny, tiny_run, tmp_path):
     save_checkpoint(other_run, type(model)(model.config), tokenizer)
     state = tmp_path / "s.safetensors"
     save_state(state, read_prompt(model, tokenizer, "KING:", seed=0), model, tokenizer)
-    result = runner.invoke(app, ["sample", "--model", str(other_run), "--load-state", str(state)])
+    result = runner.invoke(app, ["sample", "--model", str(other_run), "--device", DEVICE, "--load-state", str(state)])
     assert result.exit_code == 2 and "different model weights" in result.stderr
 
 
 def test_prime_reads_a_long_text_in_chunks(tiny, tiny_run, corpus, tmp_path, monkeypatch):
     model, tokenizer = tiny
     style = tmp_path / "style.safetensors"
-    result = runner.invoke(app, ["prime", "--model", str(tiny_run), str(corpus), "-o", str(style)])
+    result = runner.invoke(app, ["prime", "--model", str(tiny_run), "--device", DEVICE, str(corpus), "-o", str(style)])
     assert result.exit_code == 0, result.stderr
     primed = load_state(style, model, tokenizer)
     assert int(primed.state[0]["position"]) == 1 + len(tokenizer.encode(corpus.read_text()))
@@ -210,7 +211,8 @@ def test_prime_reads_a_long_text_in_chunks(tiny, tiny_run, corpus, tmp_path, mon
     one_pass = read_prompt(model, tokenizer, corpus.read_text()[:3000], seed=0)
     assert (small_chunks.logits - one_pass.logits).abs().max() < 1e-4
     sampled = runner.invoke(
-        app, ["sample", "--model", str(tiny_run), "--load-state", str(style), "-n", "10", "--seed", "2"]
+        app,
+        ["sample", "--model", str(tiny_run), "--device", DEVICE, "--load-state", str(style), "-n", "10", "--seed", "2"],
     )
     assert sampled.exit_code == 0 and sampled.stdout.strip()
 
@@ -240,7 +242,8 @@ def _read_into(stream, sink: list[bytes]) -> None:
 
 def test_chat_ctrl_c_stops_the_reply_and_ctrl_d_exits(tiny_run):
     chat = subprocess.Popen(
-        [sys.executable, "-m", "aftgen", "chat", "--model", str(tiny_run), "-n", "-1", "--stop", "NEVER-STOP-7"],
+        [sys.executable, "-m", "aftgen", "chat", "--model", str(tiny_run), "--device", DEVICE,
+         "-n", "-1", "--stop", "NEVER-STOP-7"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     out, err = [], []
@@ -277,7 +280,7 @@ def test_compiled_chunk_reader_reads_a_long_prompt_as_eager_does(tiny_run, monke
     from aftgen.model import compile_prefill
 
     monkeypatch.setattr(sampling, "PROMPT_CHUNK", 64)
-    model, tokenizer = load(str(tiny_run))
+    model, tokenizer = load(str(tiny_run), device=DEVICE)
     text = "KING: good night sweet lady, the crown is fair. " * 30  # several whole chunks and a remainder
     assert len(tokenizer.encode(text)) > 3 * 64
     reader, note = compile_prefill(model, 64)
@@ -295,15 +298,15 @@ def test_compiled_step_generates_what_the_eager_step_does(tiny_run):
     """sample/chat --compile: the step through torch.compile gives the eager step's logits and states."""
     from aftgen.model import compile_step
 
-    model, tokenizer = load(str(tiny_run))
+    model, tokenizer = load(str(tiny_run), device=DEVICE)
     step, note = compile_step(model)
     assert step != model.step and note.startswith("compiled"), note
     fast = read_prompt(model, tokenizer, "KING: good night", seed=0)
     slow = read_prompt(model, tokenizer, "KING: good night", seed=0)
     with torch.inference_mode():
         for token in torch.randint(0, tokenizer.vocab_size, (40,), generator=torch.Generator().manual_seed(1)):
-            fast_logits, _ = step(token.view(1), fast.state)
-            slow_logits, _ = model.step(token.view(1), slow.state)
+            fast_logits, _ = step(on_device(token.view(1)), fast.state)
+            slow_logits, _ = model.step(on_device(token.view(1)), slow.state)
             torch.testing.assert_close(fast_logits, slow_logits, atol=1e-4, rtol=1e-4)
     for compiled_layer, eager_layer in zip(fast.state, slow.state, strict=True):
         for name in compiled_layer:
@@ -320,6 +323,6 @@ def test_chunk_reader_falls_back_to_eager_where_compiling_fails(tiny_run, monkey
         return fails
 
     monkeypatch.setattr(torch, "compile", no_compiler)
-    model, _ = load(str(tiny_run))
+    model, _ = load(str(tiny_run), device=DEVICE)
     reader, note = compile_prefill(model, 16)
     assert reader == model.prefill and note.startswith("eager (torch.compile failed: RuntimeError")

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 import torch
+from conftest import DEVICE, on_device
 from typer.testing import CliRunner
 
 from aftgen.api import load
@@ -49,7 +50,7 @@ def _one_thread() -> Iterator[None]:
 def running(model_dir, **changes) -> Iterator[str]:
     """A server for `model_dir` on a free loopback port, in this process; yields its base URL."""
     options = ServeOptions(**dict(model=str(model_dir), port=0, api_key=KEY, cache_mb=16) | LIMITS | changes)
-    server, sock, url = prepare(options, resolve("cpu", "fp32"))
+    server, sock, url = prepare(options, resolve(DEVICE, "fp32"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(200):
@@ -98,7 +99,7 @@ def wait_for(condition, tries: int = 500) -> None:
 
 def library_text(model_dir, prompt: str, **options) -> str:
     """What `aftgen sample` prints for the same prompt and options (without the echoed prompt)."""
-    model, tokenizer = load(model_dir)
+    model, tokenizer = load(model_dir, device=DEVICE)
     context = read_prompt(model, tokenizer, prompt, seed=options.get("seed"))
     return "".join(generate(model, tokenizer, context, SamplingOptions(**options)))
 
@@ -109,7 +110,7 @@ def test_batched_step_matches_each_sequence_alone(mixer):
     batch-1 step (so greedy picks agree), and a row that leaves has its own state and position back."""
     torch.manual_seed(0)
     config = AFTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=4, window=5, context_length=16, mixer=mixer)
-    model = AFTLM(config).eval()
+    model = on_device(AFTLM(config).eval())
     with torch.inference_mode():
         positions = [3, 8, 13, 1, 6]
         alone = [model.prefill(torch.randint(0, 64, (1, n)), last_only=True)[1] for n in positions]
@@ -274,8 +275,8 @@ def test_second_chat_turn_reads_only_its_new_tokens(url, tiny_run):
 def test_a_long_prompt_is_read_in_chunks_between_the_others_steps(tiny_run):
     """Driven turn by turn: while a 200-token prompt is read 16 tokens a turn, the running request
     gets a token every turn, and what the prompt then generates matches `aftgen sample`."""
-    model, tokenizer = load(tiny_run)
-    engine = Engine(model, tokenizer, ServeOptions(prompt_chunk=16, cache_mb=0), resolve("cpu", "fp32"))
+    model, tokenizer = load(tiny_run, device=DEVICE)
+    engine = Engine(model, tokenizer, ServeOptions(prompt_chunk=16, cache_mb=0), resolve(DEVICE, "fp32"))
     events: list = []
     engine.publish = events.extend
     running_one = engine.submit(Work(tokenizer.encode("KING:"), SamplingOptions(max_new_tokens=LONG, temperature=0)))
@@ -399,7 +400,7 @@ def test_named_session_continues_after_a_restart_as_if_never_stopped(tiny_run, t
         assert turn(url, "bob", "KING:", seed=3) == first
         after_restart = turn(url, "alice", " and")
         assert turn(url, "bob", " and") == after_restart  # bob never stopped
-    model, tokenizer = load(tiny_run)  # the file is an `aftgen sample --save-state` file
+    model, tokenizer = load(tiny_run, device=DEVICE)  # the file is an `aftgen sample --save-state` file
     context = read_prompt(model, tokenizer, " and", load_state(tmp_path / "alice.safetensors", model, tokenizer))
     assert "".join(generate(model, tokenizer, context, SamplingOptions(max_new_tokens=25, temperature=1.0))) != ""
 
@@ -427,7 +428,9 @@ def test_bench_serve_figures():
 
 
 def test_bench_serve_runs_a_server_and_reports_against_the_targets(tiny_run):
-    rows = bench_serve(BenchServeOptions(model=str(tiny_run), tokens=16, rounds=2, threads=1), log=lambda line: None)
+    rows = bench_serve(
+        BenchServeOptions(model=str(tiny_run), tokens=16, rounds=2, threads=1, device=DEVICE), log=lambda line: None
+    )
     throughput = {row["streams"]: row["value"] for row in rows if row["measure"] == "aggregate throughput"}
     assert set(throughput) == {1, 8, 32} and all(value > 0 for value in throughput.values())
     targets = [row for row in rows if "target" in row]

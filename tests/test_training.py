@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import train_tiny
+from conftest import DEVICE, on_device, train_tiny
 from safetensors.torch import load_file
 
 from aftgen import evaluate
@@ -102,11 +102,11 @@ def test_half_precision_weights_halve_the_file_and_load_as_fp32(tmp_path, corpus
 
 def test_held_out_check_over_many_windows_is_the_plain_mean(tmp_path):
     torch.manual_seed(0)
-    model = AFTLM(AFTConfig(vocab_size=50, n_layer=1, n_embd=16, n_head=2, window=4, context_length=16))
+    model = on_device(AFTLM(AFTConfig(vocab_size=50, n_layer=1, n_embd=16, n_head=2, window=4, context_length=16)))
     ids = torch.randint(0, 50, (2000,))
     length, windows = 16, 70  # more windows than one group of 32
     stride = (len(ids) - length - 1) // windows
-    rows = torch.stack([ids[i * stride : i * stride + length + 1] for i in range(windows)])
+    rows = on_device(torch.stack([ids[i * stride : i * stride + length + 1] for i in range(windows)]))
     with torch.no_grad():
         expected = F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
     assert evaluate.window_loss(model, ids, length, windows) == pytest.approx(float(expected), rel=1e-5)
@@ -116,7 +116,7 @@ def test_weight_average_follows_its_formula():
     from aftgen.training.averaging import WeightAverage
 
     torch.manual_seed(0)
-    model = AFTLM(AFTConfig(vocab_size=50, n_layer=1, n_embd=16, n_head=2, window=4, context_length=16))
+    model = on_device(AFTLM(AFTConfig(vocab_size=50, n_layer=1, n_embd=16, n_head=2, window=4, context_length=16)))
     average = WeightAverage(model, decay=0.9)
     expected = [p.detach().clone() for p in model.parameters()]
     for step in range(1, 40):
@@ -178,7 +178,7 @@ def test_no_decay_trains_the_papers_aft_local(tmp_path, corpus, tiny_run):
 
     out = tmp_path / "paper"
     args = ["train", str(corpus), "--out", str(out), "--preset", "tiny", "--vocab-size", "400", "--max-steps", "4"]
-    result = CliRunner().invoke(app, [*args, "--eval-interval", "2", "--no-decay", "--quiet"])
+    result = CliRunner().invoke(app, [*args, "--eval-interval", "2", "--no-decay", "--quiet", "--device", DEVICE])
     assert result.exit_code == 0, result.output
     assert json.loads((out / "config.json").read_text())["decay"] is False
     trained, _ = load_checkpoint(out)

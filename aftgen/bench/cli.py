@@ -8,7 +8,16 @@ from typing import Annotated
 
 import typer
 
-from aftgen.cli.common import command, options_from, progress, require_file, set_up_torch
+from aftgen.cli.common import (
+    DeviceOption,
+    DtypeOption,
+    command,
+    options_from,
+    progress,
+    require_file,
+    set_up_torch,
+    whole_numbers,
+)
 from aftgen.errors import AftgenError
 from aftgen.serve.options import BenchServeOptions
 
@@ -78,16 +87,30 @@ def bench_all(
 def bench_train_command(
     repeats: Annotated[int, typer.Option(help="Timed steps per configuration and round (the fastest counts).")] = 3,
     rounds: Annotated[int, typer.Option(help="Rounds over all configurations in turn (the fastest round counts).")] = 3,
+    lengths: Annotated[str, typer.Option(help="Training lengths T, comma-separated.")] = "256,1024,4096",
+    mixers: Annotated[str, typer.Option(help="Token mixers, comma-separated (default: all).")] = "",
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     as_json: AsJson = False,
     plot: PlotFile = None,
 ) -> None:
-    """Training-step tokens/s and peak memory at T = 256, 1024, 4096 (equal tokens per step), and the mixer alone."""
+    """Training-step tokens/s and peak memory at each T (equal tokens per step up to 4,096), and the mixer alone."""
     from aftgen.bench.mixers import bench_train
+    from aftgen.device import resolve
     from aftgen.mixers import MIXERS
 
     _check_plot(plot)
+    chosen = whole_numbers(lengths, "--lengths")
+    names = tuple(name.strip() for name in mixers.split(",")) if mixers else MIXERS
+    unknown = [name for name in names if name not in MIXERS]
+    if unknown:
+        raise AftgenError(f"unknown --mixers '{','.join(unknown)}'; choose from: {', '.join(MIXERS)}")
     set_up_torch()
-    _report(bench_train(MIXERS, repeats, rounds, log=progress), as_json, plot)
+    placement = resolve(device, dtype)  # refused here, before any probe, if the device cannot do it
+    progress(f"bench train: {placement.describe()}, T = {', '.join(map(str, chosen))}")
+    where = {"device": str(placement.device), "dtype": placement.dtype_name}
+    rows = bench_train(names, repeats, rounds, log=progress, lengths=chosen, **where)
+    _report(rows, as_json, plot)
 
 
 @bench_app.command("decode")
@@ -125,22 +148,35 @@ def bench_generate_command(
         str | None,
         typer.Option(help="Time a randomly initialised model of this preset (default: small, `aftgen train`'s size)."),
     ] = None,
+    contexts: Annotated[
+        str, typer.Option(help="Contexts (tokens) after which the step is timed, comma-separated.")
+    ] = "1000,8000,32000,100000",
+    tokens: Annotated[
+        int, typer.Option(help="Tokens generated; memory is compared after the first 1,000 and after all of them.")
+    ] = 100_000,
+    device: DeviceOption = "auto",
     as_json: AsJson = False,
 ) -> None:
     """Per-token latency after 1k-100k tokens of context, ingestion speed, memory, and the matvec floor."""
     import torch
 
     from aftgen.api import load
-    from aftgen.bench.generate import bench_generate, random_model
+    from aftgen.bench.generate import STRETCH, bench_generate, random_model
     from aftgen.bench.report import print_rows
+    from aftgen.device import pick_device
 
     if model is not None and preset is not None:
         raise AftgenError("give --model or --preset, not both")
+    first = 1_000
+    if tokens <= first or tokens % STRETCH:
+        raise AftgenError(f"--tokens must be a multiple of {STRETCH} above {first:,}, got {tokens}")
+    lengths = whole_numbers(contexts, "--contexts")
     set_up_torch()
+    where = pick_device(device)
     # Timing depends on the sizes, not on the weights: random ones serve, and need no checkpoint.
-    lm = load(model)[0] if model is not None else random_model(preset or "small")
-    progress(f"bench generate: {lm.num_parameters():,} parameters, {torch.get_num_threads()} threads")
-    print_rows(bench_generate(lm, log=progress), as_json)
+    lm = load(model, where)[0] if model is not None else random_model(preset or "small").to(where)
+    progress(f"bench generate: {lm.num_parameters():,} parameters on {where}, {torch.get_num_threads()} threads")
+    print_rows(bench_generate(lm, log=progress, contexts=lengths, generated=(first, tokens)), as_json)
 
 
 @bench_app.command("finetune")
@@ -181,6 +217,8 @@ def bench_serve_command(
     threads: Annotated[
         int | None, typer.Option(help="The server's CPU threads (default: its own, the physical cores but one).")
     ] = None,
+    device: DeviceOption = BenchServeOptions.device,
+    dtype: DtypeOption = BenchServeOptions.dtype,
     as_json: AsJson = False,
 ) -> None:
     """Start `aftgen serve` and drive it with 1, 8 and 32 concurrent streams: tokens/s, inter-token latency, memory."""

@@ -32,8 +32,14 @@ def random_model(preset: str = "small", vocab_size: int = 1024, seed: int = 0) -
     return AFTLM(AFTConfig.from_preset(preset, vocab_size)).eval()
 
 
-def bench_generate(model: AFTLM, log: Callable[[str], None] = print) -> list[Row]:
-    """Every measurement of `aftgen bench generate`, as rows, the targets judged last."""
+def bench_generate(
+    model: AFTLM,
+    log: Callable[[str], None] = print,
+    contexts: tuple[int, ...] = CONTEXTS,
+    generated: tuple[int, int] = GENERATED,
+) -> list[Row]:
+    """Every measurement of `aftgen bench generate`, as rows, the targets judged last: latency after
+    each of `contexts`, memory after each of `generated` tokens (multiples of STRETCH)."""
     rows: list[Row] = []
 
     def row(measure: str, value: float, unit: str, **extra) -> None:
@@ -41,12 +47,12 @@ def bench_generate(model: AFTLM, log: Callable[[str], None] = print) -> list[Row
         log(f"  {measure}: {value:.4g} {unit}")
 
     step, reader = _compiled(model, row)
-    ms = _time_side_by_side(model, step, reader)
-    floor, ceiling, latency = ms["floor"], ms["ceiling"], {c: ms[c] for c in CONTEXTS}
+    ms = _time_side_by_side(model, step, reader, contexts)
+    floor, ceiling, latency = ms["floor"], ms["ceiling"], {c: ms[c] for c in contexts}
     row("matvec floor", floor, "ms/token")
     row(f"matmul ceiling of ingestion ({PROMPT_CHUNK}-token chunks)", ceiling, "ms/token")
-    row("step latency, eager (before fusion)", ms["eager"], "ms/token", context=CONTEXTS[0])
-    for context in CONTEXTS:
+    row("step latency, eager (before fusion)", ms["eager"], "ms/token", context=contexts[0])
+    for context in contexts:
         label = "step latency" + ("" if step != model.step else " (eager: no compiler)")
         row(label, latency[context], "ms/token", context=context)
     ingest = 1e3 / ms["ingestion"]
@@ -57,13 +63,16 @@ def bench_generate(model: AFTLM, log: Callable[[str], None] = print) -> list[Row
     )
     how = "compiled" if reader != model.prefill else "eager: no compiler"
     row(f"prompt ingestion ({PROMPT_CHUNK}-token chunks, {how})", ingest, "tokens/s")
-    memory = _generate_and_weigh(model, step, row)
+    memory = _generate_and_weigh(model, step, row, generated)
 
     # The step's cost does not depend on the context, so the ratios take the median of its four
     # timings: one context's timing alone can be far off on a shared machine.
     typical = statistics.median(latency.values())
-    rows.append(TARGETS["latency growth"].judge(latency[CONTEXTS[-1]] / latency[CONTEXTS[0]]))
-    rows.append(TARGETS["memory growth"].judge(memory[GENERATED[-1]][1] - memory[GENERATED[0]][1]))
+    # The targets name the default lengths; `compared` says which these rows compare.
+    growth = latency[contexts[-1]] / latency[contexts[0]]
+    rows.append(TARGETS["latency growth"].judge(growth) | {"compared": f"context {contexts[0]} -> {contexts[-1]}"})
+    weight = memory[generated[-1]][1] - memory[generated[0]][1]
+    rows.append(TARGETS["memory growth"].judge(weight) | {"compared": f"generated {generated[0]} -> {generated[-1]}"})
     rows.append(TARGETS["ingestion speed-up"].judge(ingest * typical / 1e3))
     # What this machine allows at best: a step can beat its matvec floor, but ingestion cannot beat its matmuls.
     row("ingestion speed-up ceiling (step / matmul ceiling)", typical / ceiling, "x")
@@ -90,32 +99,34 @@ def _compiled(model: AFTLM, row) -> tuple[Callable, Callable]:
     return step, reader
 
 
-def _time_side_by_side(model: AFTLM, step: Callable, reader: Callable) -> dict:
+def _time_side_by_side(model: AFTLM, step: Callable, reader: Callable, contexts: tuple[int, ...]) -> dict:
     """ms/token of the floor, the compiled step after each context, the eager step, the ceiling and
     ingestion, taking turns in every round."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, PROMPT_CHUNK), generator=generator)
     state, states = model.initial_state(1), {}
-    for context in CONTEXTS:  # long contexts, reached by reading random tokens chunk by chunk
+    for context in contexts:  # long contexts, reached by reading random tokens chunk by chunk
         state = read_until(model, ids, state, context)
         states[context] = clone_state(state)
-    calls, longest = CALLS_PER_ROUND, states[CONTEXTS[-1]]
+    calls, longest = CALLS_PER_ROUND, states[contexts[-1]]
     timers = {
         # The compiled steps one after another, after the floor's alike matvecs: one taking its turn
         # right after the eager step runs slow on what that left in the caches.
         "floor": products_timer(model, calls=calls),
-        **{context: step_timer(step, states[context], calls) for context in CONTEXTS},
-        "eager": step_timer(model.step, states[CONTEXTS[0]], calls),
+        **{context: step_timer(step, states[context], calls) for context in contexts},
+        "eager": step_timer(model.step, states[contexts[0]], calls),
         "ceiling": products_timer(model, PROMPT_CHUNK, calls),
         "ingestion": prefill_timer(reader, ids, longest),
         "ingestion, eager": prefill_timer(model.prefill, ids, longest),
     }
-    return fastest_side_by_side(timers, ROUNDS)
+    return fastest_side_by_side(timers, ROUNDS, model.embed.weight.device)
 
 
-def _generate_and_weigh(model: AFTLM, step: Callable, row) -> dict[int, tuple[float, float]]:
+def _generate_and_weigh(
+    model: AFTLM, step: Callable, row, generated: tuple[int, int]
+) -> dict[int, tuple[float, float]]:
     """Generate (sampling included) with the fast step, timing 500-token stretches and weighing the
-    process after GENERATED tokens; returns {generated: (resident, peak) MB}."""
+    process after `generated` tokens; returns {generated: (resident, peak) MB}."""
     options = SamplingOptions(max_new_tokens=-1, temperature=0.8, seed=0)
     with torch.inference_mode():  # as read_prompt makes it: the compiled step's graph is specific to that
         context = Context(model.initial_state(1), torch.zeros(1, model.config.vocab_size), new_generator(0))
@@ -126,14 +137,14 @@ def _generate_and_weigh(model: AFTLM, step: Callable, row) -> dict[int, tuple[fl
             now = time.perf_counter()
             stretches.append((now - stretch_start) / STRETCH * 1e3)
             stretch_start = now
-        if made in GENERATED:
+        if made in generated:
             memory[made] = memory_mb()
-            if made == GENERATED[-1]:
+            if made == generated[-1]:
                 break
-    for count in GENERATED:
+    for count in generated:
         row("resident memory", memory[count][0], "MB", generated=count)
         row("peak resident memory", memory[count][1], "MB", generated=count)
-    timed, span = stretches[GENERATED[0] // STRETCH :], f"{GENERATED[0]}-{GENERATED[-1]}"  # after the first 1k
+    timed, span = stretches[generated[0] // STRETCH :], f"{generated[0]}-{generated[-1]}"  # after the first
     row("generation incl. sampling, mean", statistics.mean(timed), "ms/token", generated=span)
     row(f"generation incl. sampling, fastest {STRETCH}-token stretch", min(timed), "ms/token", generated=span)
     return memory

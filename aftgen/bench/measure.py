@@ -21,8 +21,19 @@ Timer = tuple[Callable[[], object], int, int]  # (one call, calls per round, tok
 Result = TypeVar("Result")
 
 
-def memory_mb(pid: int | str = "self") -> tuple[float, float]:
-    """(resident, peak resident) memory of a process (this one by default) in MB; NaN where unknown."""
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so that a clock read after it counts that work (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_mb(pid: int | str | torch.device = "self") -> tuple[float, float]:
+    """(resident, peak resident) memory of a process (this one by default) in MB; NaN where unknown.
+    A CUDA device instead: this process's (allocated, peak allocated) memory on that GPU."""
+    if isinstance(pid, torch.device):
+        if pid.type == "cuda":
+            return torch.cuda.memory_allocated(pid) / 2**20, torch.cuda.max_memory_allocated(pid) / 2**20
+        pid = "self"
     fields = {}
     status = Path(f"/proc/{pid}/status")
     with contextlib.suppress(OSError):
@@ -43,21 +54,27 @@ def in_fresh_process(function: Callable[..., Result], *args) -> Result:
         return pool.submit(function, *args).result()
 
 
-def fastest_side_by_side(timers: dict[str, Timer], rounds: int = 7) -> dict[str, float]:
+def fastest_side_by_side(
+    timers: dict[str, Timer], rounds: int = 7, device: torch.device | None = None
+) -> dict[str, float]:
     """ms per token of each timer: the fastest of `rounds` rounds, the timers taking turns in each round.
 
     The fastest, not the median: other processes only ever add time. Taking turns: a slow spell of a
     shared machine then hits both sides of a ratio instead of one. Each turn starts with an untimed
-    call: the first call after another timer's runs slow on what that one left in the caches.
+    call: the first call after another timer's runs slow on what that one left in the caches. On a
+    GPU (`device`), each timing waits for the work it queued.
     """
+    device = device or torch.device("cpu")
     best = dict.fromkeys(timers, math.inf)
     with torch.inference_mode():
         for _ in range(rounds):
             for name, (run, calls, tokens) in timers.items():
                 run()
+                synchronize(device)
                 start = time.perf_counter()
                 for _ in range(calls):
                     run()
+                synchronize(device)
                 best[name] = min(best[name], (time.perf_counter() - start) / calls / tokens * 1e3)
     return best
 
@@ -72,8 +89,9 @@ def products_timer(model: AFTLM, tokens: int = 1, calls: int = 60) -> Timer:
     """
     last_block = set(model.blocks[-1].modules()) - {model.blocks[-1].mixer.qkv}
     linears = [(m, 1 if m in last_block else tokens) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {(rows, lin.in_features): torch.randn(rows, lin.in_features) for lin, rows in linears}
-    hidden = torch.randn(1, model.config.n_embd)
+    device = model.embed.weight.device
+    inputs = {(rows, lin.in_features): torch.randn(rows, lin.in_features, device=device) for lin, rows in linears}
+    hidden = torch.randn(1, model.config.n_embd, device=device)
 
     def products() -> None:
         for lin, rows in linears:

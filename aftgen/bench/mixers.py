@@ -12,7 +12,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from aftgen.bench.measure import fastest_side_by_side, in_fresh_process, memory_mb, read_until, step_timer
+from aftgen.bench.measure import (
+    fastest_side_by_side,
+    in_fresh_process,
+    memory_mb,
+    read_until,
+    step_timer,
+    synchronize,
+)
 from aftgen.bench.targets import TARGETS, Row
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, AFTConfig, compile_step
@@ -32,29 +39,39 @@ def comparison_model(mixer: str, context_length: int, preset: str = "small", voc
     return AFTLM(AFTConfig.from_preset(preset, vocab_size, context_length=context_length, mixer=mixer))
 
 
-def probe(kind: str, mixer: str, length: int, repeats: int, threads: int) -> dict:
+def probe(
+    kind: str, mixer: str, length: int, repeats: int, threads: int, device: str = "cpu", dtype: str = "fp32"
+) -> dict:
     """Time `kind` ("train": a full step, forward + backward + AdamW; "mixer": the token mixer alone,
-    forward + backward) and its peak memory. Meant for a fresh process (in_fresh_process)."""
+    forward + backward) and its peak memory (the GPU's, on a GPU) on `device` under `dtype` autocast.
+    Meant for a fresh process (in_fresh_process)."""
+    from aftgen.device import resolve
+
     torch.set_num_threads(threads)
     torch.manual_seed(0)
+    placement = resolve(device, dtype)
     batch = max(1, TOKENS_PER_STEP // length)
-    model = comparison_model(mixer, length).train()
+    model = comparison_model(mixer, length).to(placement.device).train()
     run = _train_step(model, batch, length) if kind == "train" else _mixer_pass(model, batch, length)
-    resting, _ = memory_mb()
-    for _ in range(WARM_UP_STEPS):  # first-call allocations, the optimiser's moments, the allocator's pools
-        run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
+    resting, _ = memory_mb(placement.device)
+    with placement.autocast():
+        for _ in range(WARM_UP_STEPS):  # first-call allocations, the optimiser's moments, the allocator's pools
+            run()
+        times = []
+        for _ in range(repeats):
+            synchronize(placement.device)
+            start = time.perf_counter()
+            run()
+            synchronize(placement.device)
+            times.append(time.perf_counter() - start)
     best = min(times)  # the least disturbed run: other processes only ever add time
-    return {"seconds": best, "tokens_per_s": batch * length / best, "peak_mb": memory_mb()[1] - resting, "batch": batch}
+    peak = memory_mb(placement.device)[1] - resting
+    return {"seconds": best, "tokens_per_s": batch * length / best, "peak_mb": peak, "batch": batch}
 
 
 def _train_step(model: AFTLM, batch: int, length: int) -> Callable[[], None]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, model.config.vocab_size, (batch, length + 1))
+    ids = torch.randint(0, model.config.vocab_size, (batch, length + 1), device=model.embed.weight.device)
 
     def run() -> None:
         loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
@@ -67,7 +84,7 @@ def _train_step(model: AFTLM, batch: int, length: int) -> Callable[[], None]:
 
 def _mixer_pass(model: AFTLM, batch: int, length: int) -> Callable[[], None]:
     mixer = model.blocks[0].mixer
-    x = torch.randn(batch, length, model.config.n_embd, requires_grad=True)
+    x = torch.randn(batch, length, model.config.n_embd, device=model.embed.weight.device, requires_grad=True)
     grad = torch.randn_like(x)
 
     def run() -> None:
@@ -87,8 +104,17 @@ def with_ratios(rows: list[Row]) -> list[Row]:
     return rows
 
 
-def bench_train(mixers: tuple[str, ...], repeats: int = 3, rounds: int = 2, log: Log = print) -> list[Row]:
-    """Training-step tokens/s and peak memory, and the mixer alone, per mixer and length.
+def bench_train(
+    mixers: tuple[str, ...],
+    repeats: int = 3,
+    rounds: int = 2,
+    log: Log = print,
+    lengths: tuple[int, ...] = TRAIN_LENGTHS,
+    device: str = "cpu",
+    dtype: str = "fp32",
+) -> list[Row]:
+    """Training-step tokens/s and peak memory, and the mixer alone, per mixer and length, on `device`
+    under `dtype` autocast (on a GPU in bf16, attention runs PyTorch's flash kernel).
 
     Every configuration is probed `rounds` times, the rounds going over all of them in turn, and the
     fastest round counts: a slow spell of a shared machine then cannot sink one mixer's figure alone.
@@ -98,10 +124,10 @@ def bench_train(mixers: tuple[str, ...], repeats: int = 3, rounds: int = 2, log:
             raise AftgenError(f"{name} must be >= 1, got {value}")
     fastest: dict[tuple[str, str, int], dict] = {}
     for round_number in range(1, rounds + 1):
-        for length in TRAIN_LENGTHS:
+        for length in lengths:
             for mixer in mixers:
                 for kind in ("train", "mixer"):
-                    got = in_fresh_process(probe, kind, mixer, length, repeats, torch.get_num_threads())
+                    got = in_fresh_process(probe, kind, mixer, length, repeats, torch.get_num_threads(), device, dtype)
                     if (kind, mixer, length) not in fastest or got["seconds"] < fastest[kind, mixer, length]["seconds"]:
                         fastest[kind, mixer, length] = got
                 train, alone = fastest["train", mixer, length], fastest["mixer", mixer, length]

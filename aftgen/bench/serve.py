@@ -95,7 +95,8 @@ class ServerProcess:
 
     def __init__(self, options: BenchServeOptions):
         command = [sys.executable, "-m", "aftgen", "serve", "--port", "0", "--parallel", str(max(STREAMS)),
-                   "--queue", "0", "--max-tokens", str(options.tokens)]  # fmt: skip
+                   "--queue", "0", "--max-tokens", str(options.tokens), "--device", options.device,
+                   "--dtype", options.dtype]  # fmt: skip
         command += ["--model", options.model] if options.model else []
         command += ["--threads", str(options.threads)] if options.threads else []
         self.log = tempfile.NamedTemporaryFile("w+", prefix="aftgen-bench-serve-", suffix=".log", delete=False)
@@ -109,8 +110,9 @@ class ServerProcess:
             if found:
                 return found.group(1), int(found.group(2))
             if self.process.poll() is not None:
+                said = Path(self.log.name).read_text()[-500:]  # before close() deletes the log
                 self.close()
-                raise AftgenError(f"bench serve: the server did not start: {Path(self.log.name).read_text()[-500:]}")
+                raise AftgenError(f"bench serve: the server did not start: {said}")
             time.sleep(0.1)
         self.close()
         raise AftgenError(f"bench serve: the server did not listen within {START_TIMEOUT:.0f} s")

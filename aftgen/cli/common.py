@@ -166,5 +166,16 @@ def require_file(path: Path | None, what: str) -> None:
         raise AftgenError(f"{path}: no such {what}")
 
 
+def whole_numbers(text: str, option: str) -> tuple[int, ...]:
+    """A comma-separated list of positive whole numbers, as an option gives it ("1024,4096")."""
+    try:
+        numbers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise AftgenError(f"{option} takes whole numbers, comma-separated, got '{text}'") from None
+    if min(numbers) < 1:
+        raise AftgenError(f"{option} takes numbers >= 1, got '{text}'")
+    return numbers
+
+
 def progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)

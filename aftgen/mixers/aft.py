@@ -52,10 +52,10 @@ def aft_naive(q, k, v, w: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
     B, T, H, D = k.shape
     s = w.shape[1]
     q, k, v, w, decay = (x.double() for x in (q, k, v, w, decay))
-    y = torch.empty(B, T, H, D, dtype=torch.float64)
+    y = torch.empty(B, T, H, D, dtype=torch.float64, device=k.device)
     for t in range(T):
-        num = torch.zeros(B, H, D, dtype=torch.float64)
-        den = torch.zeros(B, H, D, dtype=torch.float64)
+        num = torch.zeros(B, H, D, dtype=torch.float64, device=k.device)
+        den = torch.zeros_like(num)
         for earlier in range(t + 1):
             d = t - earlier
             bias = w[:, d] if d < s else -decay * (d - s + 1)  # (H,)

@@ -72,6 +72,8 @@ class BenchServeOptions:
     tokens: int = 256  # generated per stream
     rounds: int = 3  # 1, 8 and 32 streams in turn, this many times; each figure is the best round's
     threads: int | None = None  # the server's torch threads
+    device: str = "auto"  # the server's --device
+    dtype: str = "auto"  # the server's --dtype
 
     def check(self) -> None:
         if not 16 <= self.tokens <= 4096:
