@@ -72,7 +72,7 @@ class Sizes:
                 train_time=3,
                 compile_time=3,
                 parity_tokens=100,
-                bench_train=["--lengths", "64", "--mixers", "aft_local,attention", "--repeats", "1"],
+                bench_train=["--lengths", "64", "--mixers", "aft_local", "--repeats", "1"],
                 bench_generate=["--preset", "tiny", "--contexts", "600,1200", "--tokens", "1500"],
                 serve=["--tokens", "16", "--rounds", "1"],
             )
