@@ -3,10 +3,11 @@ budget (time or steps) and the machine's measured speed. Every explicit option w
 
 The choice reads three tables, each set by measurements (docs/recipe.md has the runs):
 
-- the model size: the largest preset that gets, within the budget, at least MIN_STEPS steps and
-  either ENOUGH_PASSES passes over the corpus (a small corpus: more passes would only overfit a
-  larger model) or ENOUGH_TOKENS_PER_PARAMETER tokens per parameter (a large corpus: Chinchilla's
-  rule); where none does, the smallest;
+- the model size: the largest preset that has at least MIN_TOKENS_PER_PARAMETER training tokens per
+  parameter (below that it memorises the text before it generalises: on Tiny Shakespeare the small
+  model with heavy dropout beats the medium one at any budget) and gets, within the budget, at least
+  MIN_STEPS steps and either ENOUGH_PASSES passes over the corpus or ENOUGH_TOKENS_PER_PARAMETER
+  tokens per parameter (Chinchilla's rule); where none does, the smallest;
 - the regularisation (dropout, weight decay, weight average) from how many passes over the
   training tokens the budget buys: a run that sees its text dozens of times needs heavy dropout,
   one that reads it once needs none;
@@ -26,6 +27,7 @@ from aftgen.model import PRESETS, AFTConfig
 
 DEFAULT_BUDGET = 15 * 60.0  # seconds, when neither --max-time nor --max-steps is given
 CANDIDATES = ("small", "medium", "large")  # model sizes the recipe chooses among, smallest first
+MIN_TOKENS_PER_PARAMETER = 0.1
 MIN_STEPS = 1000
 ENOUGH_PASSES = 10
 ENOUGH_TOKENS_PER_PARAMETER = 20
@@ -166,10 +168,12 @@ def _steps(preset: str, max_time: float | None, max_steps: int | None, tokens_pe
 
 
 def _worth_it(preset: str, steps: int, train_tokens: int, vocab_size: int) -> bool:
-    """Whether a larger preset is trained enough within the budget to beat the smaller one."""
+    """Whether a larger preset has the text to learn from, and is trained enough within the budget, to beat
+    the smaller one."""
+    size = parameters(preset, vocab_size)
     seen = steps * tokens_per_step(preset)
-    enough = min(ENOUGH_PASSES * train_tokens, ENOUGH_TOKENS_PER_PARAMETER * parameters(preset, vocab_size))
-    return steps >= MIN_STEPS and seen >= enough
+    enough = min(ENOUGH_PASSES * train_tokens, ENOUGH_TOKENS_PER_PARAMETER * size)
+    return train_tokens >= MIN_TOKENS_PER_PARAMETER * size and steps >= MIN_STEPS and seen >= enough
 
 
 def _round(value: float) -> int:
