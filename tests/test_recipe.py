@@ -41,7 +41,11 @@ def test_the_default_budget_on_shakespeare_trains_the_small_model_heavily_regula
     assert chosen.preset == "small"  # 395k tokens are too few for medium's 7.9M parameters
     assert chosen.passes == pytest.approx(recipe.DEFAULT_BUDGET * CPU["small"] / SHAKESPEARE, rel=0.01)
     assert chosen.dropout >= 0.3 and chosen.weight_decay >= 0.3 and chosen.ema > 0
-    assert chosen.steps >= recipe.MIN_STEPS
+    assert chosen.steps >= recipe.MIN_STEPS and chosen.optimizer == "adamw"
+
+
+def test_a_short_run_uses_muon():
+    assert choose(SHAKESPEARE, 1024, max_time=120, max_steps=None, speed=speeds(CPU)).optimizer == "muon"
 
 
 def test_a_larger_corpus_and_budget_train_a_larger_model():

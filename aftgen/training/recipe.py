@@ -11,7 +11,7 @@ The choice reads three tables, each set by measurements (docs/recipe.md has the 
 - the regularisation (dropout, weight decay, weight average) from how many passes over the
   training tokens the budget buys: a run that sees its text dozens of times needs heavy dropout,
   one that reads it once needs none;
-- the learning rate of each size.
+- the learning rate of each size, and the optimiser: Muon for short runs, AdamW for long ones.
 
 Every recipe keeps the best held-out check and stops PATIENCE checks after it, so no run publishes
 weights that its own checks saw get worse.
@@ -31,7 +31,9 @@ MIN_TOKENS_PER_PARAMETER = 0.1
 MIN_STEPS = 1000
 ENOUGH_PASSES = 10
 ENOUGH_TOKENS_PER_PARAMETER = 20
-OPTIMIZER = "adamw"  # Muon learns faster early but overfits sooner on small corpora (docs/recipe.md)
+# Muon for the blocks' matrices learns faster early (1 MB of prose at 1,000 steps: 1.532 vs 1.571 nats/char),
+# ahead of its 12% longer CPU step; on a long run it overfits sooner and gains nothing, so AdamW there.
+MUON_UP_TO_STEPS = 2000
 LEARNING_RATES = {"tiny": 3e-3, "small": 2e-3, "medium": 1.5e-3, "large": 1e-3}
 WARMUP_FRACTION, MIN_WARMUP, MAX_WARMUP = 0.02, 20, 200  # of the expected steps
 CHECKS_PER_RUN = 25  # held-out checks spread over the budget (patience counts them)
@@ -143,7 +145,7 @@ def choose(
     return Recipe(
         preset=chosen,
         dtype=dtype,
-        optimizer=OPTIMIZER,
+        optimizer="muon" if steps <= MUON_UP_TO_STEPS else "adamw",
         dropout=regularisation.dropout,
         weight_decay=regularisation.weight_decay,
         ema=regularisation.ema,
