@@ -22,7 +22,7 @@ from aftgen.api import load
 from aftgen.bench.serve import StreamTiming, bench_serve, best_of, phase_figures
 from aftgen.cli import app
 from aftgen.device import resolve
-from aftgen.model import AFTLM, AFTConfig, clone_state
+from aftgen.model import AFTLM, AFTConfig, clone_state, tokens_read
 from aftgen.sampling import SamplingOptions, exponential_race, generate, read_prompt
 from aftgen.serve.batch import Batch
 from aftgen.serve.engine import Engine
@@ -32,6 +32,7 @@ from aftgen.serve.work import Done, Text, Work
 from aftgen.state import load_state
 
 KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 LONG = 20_000  # tokens: a stream that outlasts anything a test waits for (it is closed before the end)
 LIMITS = dict(max_tokens=LONG, max_prompt_tokens=300, max_body_bytes=4096, parallel=16, queue=4)
 
@@ -444,3 +445,46 @@ def test_a_failing_step_fails_its_requests_with_500_and_the_server_goes_on(url, 
         assert error["type"] == "server_error"
     assert post(url, "/v1/completions", json={"prompt": "x", "max_tokens": 5}).json()["usage"]["completion_tokens"] == 5
     assert busy_slots(url) == 0
+
+
+def events(url: str, path: str = "/v1/completions", **body) -> list[str]:
+    """Every server-sent event's data of one streaming request, to its end."""
+    with httpx.stream("POST", f"{url}{path}", json=body | {"stream": True}, headers=AUTH, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_session_that_cannot_be_saved_fails_its_own_request_alone(tiny_run, tmp_path):
+    """A folder where the session's file goes: its stream ends with an error event and [DONE], a whole
+    request gets a 500 naming it, an unrelated stream goes on untouched, and the state stays in memory
+    (a twin session that saved every turn ends with the same state)."""
+    turn = dict(max_tokens=6, temperature=0)
+    with running(tiny_run, sessions_dir=tmp_path) as url, httpx.Client(timeout=60) as http:
+        for name in ("dave", "erin"):
+            assert post(url, "/v1/completions", json={"prompt": "KING:", "session": name} | turn).status_code == 200
+        other = Stream(http, url, "QUEEN:", LONG)
+        other.texts(1)
+        blocked = tmp_path / "dave.safetensors"
+        blocked.unlink()
+        blocked.mkdir()
+        streamed = events(url, prompt=" and", session="dave", **turn)
+        assert streamed[-1] == "[DONE]"
+        error = json.loads(streamed[-2])["error"]
+        assert (
+            error["type"] == "server_error" and "'dave'" in error["message"] and "dave.safetensors" in error["message"]
+        )
+        whole = assert_openai_error(post(url, "/v1/completions", json={"prompt": " so", "session": "dave"} | turn), 500)
+        assert "'dave'" in whole["message"] and "dave.safetensors" in whole["message"]
+        assert len(other.texts(20)) == 20  # no error chunk (texts() reads choices) and no early end
+        other.close()
+        for prompt in (" and", " so"):
+            assert post(url, "/v1/completions", json={"prompt": prompt, "session": "erin"} | turn).status_code == 200
+        blocked.rmdir()
+        assert post(url, "/v1/completions", json={"prompt": " then", "session": "dave"} | turn).status_code == 200
+        assert post(url, "/v1/completions", json={"prompt": " then", "session": "erin"} | turn).status_code == 200
+    model, tokenizer = load(tiny_run)
+    dave, erin = (load_state(tmp_path / f"{name}.safetensors", model, tokenizer) for name in ("dave", "erin"))
+    assert tokens_read(dave.state) == tokens_read(erin.state)
+    for mine, twin in zip(dave.state, erin.state, strict=True):  # batched with another stream or not: 1e-4
+        for name in mine:
+            torch.testing.assert_close(mine[name], twin[name], rtol=1e-4, atol=1e-4)

@@ -221,8 +221,9 @@ class Server:
         events = [first]
         while True:
             for event in merged(events):
-                if isinstance(event, Failed):
+                if isinstance(event, Failed):  # an error event, then the stream ends as every stream does
                     yield sse(failure(event).body())
+                    yield sse("[DONE]")
                     return
                 reply.take(event)
                 if isinstance(event, Text):

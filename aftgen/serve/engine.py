@@ -344,8 +344,10 @@ class Engine:
         ticket, stream, session = row.ticket, row.stream, row.ticket.work.session
         if session is not None:
             stream.end(final=False)  # an unfinished character waits in the context for the next request
-            self.sessions.put(session, stream.context)
-            self.busy_sessions.discard(session)
+            saved = self._keep_session(session, stream.context)
+            if saved is not None and not ticket.cancelled:
+                self._emit(ticket, saved)
+                return
         if ticket.cancelled:
             return
         if session is None:
@@ -356,6 +358,18 @@ class Engine:
         ticket.unfinished -= 1
         if ticket.unfinished == 0:
             self._emit(ticket, Done())
+
+    def _keep_session(self, name: str, context: Context) -> Failed | None:
+        """Keep a session's context after its turn; a file that cannot be written fails this request
+        alone (the context stays in memory, so the session goes on)."""
+        try:
+            self.sessions.put(name, context)
+        except (AftgenError, OSError) as exc:
+            message = f"session '{name}' could not be saved ({exc}); its state is kept in this server's memory"
+            return Failed(500, message, "server_error", "session_not_saved")
+        finally:
+            self.busy_sessions.discard(name)
+        return None
 
     def _remember_reply(self, row: Row) -> None:
         """Cache the conversation as the client will send it next: the prompt, then the reply read as text.
