@@ -75,9 +75,10 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def post(url: str, path: str, key: str | None = KEY, **kwargs) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(f"{url}{path}", headers=headers, timeout=60, **kwargs)
+def post(url: str, path: str, key: str | None = KEY, headers: dict | None = None, **kwargs) -> httpx.Response:
+    """A POST as a JSON client sends it (`headers` adds to or replaces the usual ones)."""
+    usual = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    return httpx.post(f"{url}{path}", headers=usual | (headers or {}), timeout=60, **kwargs)
 
 
 def health(url: str) -> dict:
@@ -488,3 +489,25 @@ def test_a_session_that_cannot_be_saved_fails_its_own_request_alone(tiny_run, tm
     for mine, twin in zip(dave.state, erin.state, strict=True):  # batched with another stream or not: 1e-4
         for name in mine:
             torch.testing.assert_close(mine[name], twin[name], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "KING\ud800"}, "prompt"),
+        ("/v1/completions", {"prompt": ["\udfff"]}, "prompt[0]"),
+        ("/v1/completions", {"prompt": "x", "model": "\ud800"}, "model"),
+        ("/v1/completions", {"prompt": "x", "stop": ["a", "\ud800"]}, "stop[1]"),
+        ("/v1/completions", {"prompt": "x", "\ud800": 1}, "\\ud800"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udbff"}]}]},
+            "messages[0].content[0].text",
+        ),  # fmt: skip
+    ],
+)
+def test_text_that_is_not_unicode_gets_400_naming_its_field(url, path, body, param):
+    """JSON can spell a lone surrogate ("\\ud800"); UTF-8, the tokenizer and the error answer cannot."""
+    error = assert_openai_error(post(url, path, content=json.dumps(body).encode()), 400, param)
+    assert "surrogate" in error["message"]

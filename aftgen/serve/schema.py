@@ -198,8 +198,38 @@ def messages(name: str, value: object) -> list[tuple[str, str]]:
     return pairs
 
 
+def unencodable(body: dict) -> str | None:
+    """Where the body holds text that is not Unicode (a lone surrogate such as "\\ud800", which JSON can
+    spell but UTF-8 cannot), as a field path like `messages[0].content`; None if nowhere."""
+    pending: list[tuple[str, object]] = [("", body)]
+    while pending:
+        where, value = pending.pop()
+        if isinstance(value, str) and not _encodes(value):
+            return where
+        if isinstance(value, dict):
+            for key, item in value.items():
+                path = f"{where}.{key}" if where else key
+                if not _encodes(key):
+                    return path.encode("utf-8", "backslashreplace").decode()
+                pending.append((path, item))
+        elif isinstance(value, list):
+            pending.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_request(body: dict, chat: bool, options: ServeOptions, tokenizer: Tokenizer, model_name: str) -> Request:
     """Check a /v1/completions (chat=False) or /v1/chat/completions body; raises APIError."""
+    where = unencodable(body)
+    if where is not None:
+        raise invalid(where, f"'{where}' holds a lone surrogate (such as \\ud800): it is not valid Unicode text")
     if chat:
         fields = {"messages": messages, "max_completion_tokens": integer(0, options.max_tokens)}
     else:
