@@ -511,3 +511,22 @@ def test_text_that_is_not_unicode_gets_400_naming_its_field(url, path, body, par
     """JSON can spell a lone surrogate ("\\ud800"); UTF-8, the tokenizer and the error answer cannot."""
     error = assert_openai_error(post(url, path, content=json.dumps(body).encode()), 400, param)
     assert "surrogate" in error["message"]
+
+
+def test_an_api_key_beyond_ascii_is_compared_as_the_bytes_sent(tiny_run):
+    key = "clé-秘密"
+    with running(tiny_run, api_key=key) as url:
+        as_sent = post(
+            url,
+            "/v1/completions",
+            headers={"Authorization": b"Bearer " + key.encode()},
+            json={"prompt": "x", "max_tokens": 1},
+        )
+        assert as_sent.status_code == 200, as_sent.text
+        as_latin1 = {"Authorization": b"Bearer " + key[:3].encode("latin-1")}
+        assert_openai_error(post(url, "/v1/completions", headers=as_latin1, json={"prompt": "x"}), 401)
+
+
+def test_serve_refuses_an_api_key_with_spaces_around_it_at_start_up():
+    result = CliRunner().invoke(app, ["serve", "--api-key", " secret "])
+    assert result.exit_code == 2 and "error: --api-key starts or ends with spaces" in result.output

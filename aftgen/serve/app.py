@@ -106,14 +106,15 @@ class Server:
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
     def authorize(self, request: Request) -> None:
+        """The key is compared as the bytes sent (a header is bytes; the key is its UTF-8), in constant time."""
         key = self.options.api_key
         if key is None:
             return
-        given = request.headers.get("authorization", "")
+        given = next((value for name, value in request.scope["headers"] if name == b"authorization"), b"")
         if not given:
             raise APIError(401, "You didn't provide an API key: send 'Authorization: Bearer KEY'.")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), key.encode("utf-8")):
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     async def health(self, request: Request) -> JSONResponse:

@@ -46,6 +46,8 @@ class ServeOptions:
             raise AftgenError("--host must not be empty")
         if self.api_key is not None and not self.api_key.strip():
             raise AftgenError("--api-key must not be empty")
+        if self.api_key is not None and self.api_key != self.api_key.strip():
+            raise AftgenError("--api-key starts or ends with spaces, which no client can send in a header: remove them")
         at_least = {
             "--parallel": (self.parallel, 1),
             "--queue": (self.queue, 0),
