@@ -530,3 +530,23 @@ def test_an_api_key_beyond_ascii_is_compared_as_the_bytes_sent(tiny_run):
 def test_serve_refuses_an_api_key_with_spaces_around_it_at_start_up():
     result = CliRunner().invoke(app, ["serve", "--api-key", " secret "])
     assert result.exit_code == 2 and "error: --api-key starts or ends with spaces" in result.output
+
+
+@pytest.mark.parametrize(
+    "content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data"]
+)
+def test_a_body_that_is_not_declared_json_gets_415(url, content_type):
+    """What a cross-site page can make a browser send without a CORS preflight is refused unread."""
+    headers = {"Content-Type": content_type} if content_type else {}
+    with httpx.Client(timeout=60) as http:
+        request = http.build_request(
+            "POST", f"{url}/v1/completions", content=b'{"prompt": "x"}', headers=AUTH | headers
+        )
+        assert request.headers.get("Content-Type") == content_type
+        response = http.send(request)
+    error = assert_openai_error(response, 415)
+    assert "application/json" in error["message"]
+    with_charset = {"Content-Type": "application/json; charset=utf-8"}
+    assert post(url, "/v1/completions", headers=with_charset, json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    preflight = httpx.options(f"{url}/v1/completions", headers={"Origin": "http://example.com"}, timeout=10)
+    assert preflight.status_code == 405 and "access-control-allow-origin" not in preflight.headers

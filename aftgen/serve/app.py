@@ -151,7 +151,16 @@ class Server:
         return await self._answer(request, lambda: self._generate(request, chat=True))
 
     async def _body(self, request: Request) -> dict:
-        """The JSON object in the body, refusing one over the size limit before reading it all."""
+        """The JSON object in the body, refusing one over the size limit before reading it all.
+
+        Only `Content-Type: application/json` is read: a web page can make a browser send a form or
+        text/plain to 127.0.0.1 without asking first (no CORS preflight), but never JSON.
+        """
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":
+            given = f"'{media_type}'" if media_type else "none"
+            message = f"{request.url.path} takes a JSON body: send 'Content-Type: application/json' (got {given})"
+            raise APIError(415, message)
         limit = self.options.max_body_bytes
         too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes")
         declared = request.headers.get("content-length", "")
