@@ -550,3 +550,40 @@ def test_a_body_that_is_not_declared_json_gets_415(url, content_type):
     assert post(url, "/v1/completions", headers=with_charset, json={"prompt": "x", "max_tokens": 1}).status_code == 200
     preflight = httpx.options(f"{url}/v1/completions", headers={"Origin": "http://example.com"}, timeout=10)
     assert preflight.status_code == 405 and "access-control-allow-origin" not in preflight.headers
+
+
+def closed_by_server(sock: socket.socket, until: float) -> bool:
+    """Whether the server closes this connection (after any answer it sends) before `until` (monotonic)."""
+    while time.monotonic() < until:
+        sock.settimeout(max(until - time.monotonic(), 0.01))
+        try:
+            if not sock.recv(65536):
+                return True
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            return True
+    return False
+
+
+def test_slow_clients_are_disconnected_while_others_are_served(tiny_run):
+    """Forty clients send half their headers, one half its body, one nothing: each is closed within a
+    few read timeouts (the body's gets a 408 first), and a normal client is served meanwhile."""
+    with running(tiny_run, read_timeout=1.0) as url:
+        address = urllib.parse.urlsplit(url)[1].split(":")
+        slow = [socket.create_connection(address) for _ in range(42)]
+        for sock in slow[:40]:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
+        body = json.dumps({"prompt": "KING:", "max_tokens": 3}).encode()
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        slow[40].sendall(f"{head}Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+        slow[40].sendall(body[:5])
+        served = post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 3})
+        assert served.status_code == 200
+        until = time.monotonic() + 20  # a bound against a hang, far above the 1 s timeout
+        slow[40].settimeout(20)
+        assert slow[40].recv(65536).startswith(b"HTTP/1.1 408 ")
+        assert all(closed_by_server(sock, until) for sock in slow)
+        for sock in slow:
+            sock.close()
+        assert post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 3}).status_code == 200

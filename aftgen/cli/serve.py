@@ -39,6 +39,9 @@ def serve(
     timeout: Annotated[
         float, _limit("Seconds a request may take, queueing included; past that: 504.")
     ] = Defaults.timeout,
+    read_timeout: Annotated[
+        float, _limit("Seconds a client may stay silent while its request is read; then 408 or closed.")
+    ] = Defaults.read_timeout,
     max_sessions: Annotated[int, _limit("Named sessions held in memory.")] = Defaults.max_sessions,
     prompt_chunk: Annotated[int, _limit("Prompt tokens read between two batched steps.")] = Defaults.prompt_chunk,
     device: DeviceOption = Defaults.device,

@@ -36,7 +36,7 @@ class Gone:
 
 
 def error_response(error: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if error.status == 503 else None
+    headers = {503: {"Retry-After": "1"}, 408: {"Connection": "close"}}.get(error.status)  # 408: the body is unread
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -166,9 +166,15 @@ class Server:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_large
-        body = bytearray()
-        async for piece in request.stream():
-            body += piece
+        body, pieces = bytearray(), request.stream()
+        while True:
+            try:
+                body += await asyncio.wait_for(anext(pieces), self.options.read_timeout)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                message = f"the request body stopped arriving for {self.options.read_timeout:g} s"
+                raise APIError(408, message, code="request_timeout") from None
             if len(body) > limit:
                 raise too_large
         try:

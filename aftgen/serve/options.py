@@ -22,6 +22,7 @@ class ServeOptions:
     max_tokens: int = 1024  # the most a request may ask for, and what it gets if it does not say
     max_body_bytes: int = 1 << 20  # request bodies past this: 413
     timeout: float = 600.0  # seconds a request may take, waiting included; past that: 504
+    read_timeout: float = 10.0  # seconds a client may stay silent while its request is read (or kept alive)
     cache_mb: float = 64.0  # prefix-state cache (LRU); 0: off
     sessions_dir: Path | None = None  # named sessions are saved here after every request (None: memory only)
     max_sessions: int = 64  # named sessions held in memory (with a sessions_dir, the rest wait on disk)
@@ -60,8 +61,9 @@ class ServeOptions:
         for name, (value, least) in at_least.items():
             if value < least:
                 raise AftgenError(f"{name} must be >= {least}, got {value}")
-        if not self.timeout > 0:
-            raise AftgenError(f"--timeout must be positive, got {self.timeout}")
+        for name, seconds in (("--timeout", self.timeout), ("--read-timeout", self.read_timeout)):
+            if not seconds > 0:
+                raise AftgenError(f"{name} must be positive, got {seconds}")
         if not self.cache_mb >= 0:
             raise AftgenError(f"--cache-mb must be >= 0 (0 turns the cache off), got {self.cache_mb}")
         if self.sessions_dir is not None and self.sessions_dir.exists() and not self.sessions_dir.is_dir():
