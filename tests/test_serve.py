@@ -27,9 +27,11 @@ from aftgen.sampling import SamplingOptions, exponential_race, generate, read_pr
 from aftgen.serve.batch import Batch
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import BenchServeOptions, ServeOptions
+from aftgen.serve.schema import APIError, parse_request
 from aftgen.serve.server import prepare
 from aftgen.serve.work import Done, Text, Work
 from aftgen.state import load_state
+from aftgen.tokenizer import Tokenizer
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -587,3 +589,25 @@ def test_slow_clients_are_disconnected_while_others_are_served(tiny_run):
         for sock in slow:
             sock.close()
         assert post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 3}).status_code == 200
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_prompt_whose_bytes_cannot_fit_is_refused_before_it_is_tokenized(tiny_run, monkeypatch, chat):
+    """A 900 KB prompt is refused from its length in bytes (no token stands for more than the longest
+    piece); one near the limit is still tokenized and checked in tokens."""
+    _, tokenizer = load(tiny_run)
+    options = ServeOptions(max_prompt_tokens=300)
+
+    def body(text: str) -> dict:
+        return {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+
+    near = "KING " * 400  # 2,000 bytes: a few hundred tokens, so its bytes alone cannot tell
+    assert len(near) // tokenizer.longest_piece < 300
+    with pytest.raises(APIError, match="the prompt is \\d+ tokens"):
+        parse_request(body(near), chat, options, tokenizer, "tiny")
+    encoded = []
+    monkeypatch.setattr(Tokenizer, "encode", lambda self, text: encoded.append(len(text)) or [])
+    with pytest.raises(APIError, match="the prompt is at least \\d+ tokens") as refused:
+        parse_request(body("KING " * 180_000), chat, options, tokenizer, "tiny")
+    assert encoded == [] and refused.value.code == "context_length_exceeded"
+    assert refused.value.param == ("messages" if chat else "prompt")
