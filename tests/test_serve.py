@@ -611,3 +611,28 @@ def test_a_prompt_whose_bytes_cannot_fit_is_refused_before_it_is_tokenized(tiny_
         parse_request(body("KING " * 180_000), chat, options, tokenizer, "tiny")
     assert encoded == [] and refused.value.code == "context_length_exceeded"
     assert refused.value.param == ("messages" if chat else "prompt")
+
+
+def test_session_files_past_the_cap_go_least_recently_used_first(tiny_run, tmp_path):
+    def turn(url: str, name: str) -> int:
+        """A turn of session `name`; its prompt tokens (a new session's count BOS, a continued one's do not)."""
+        reply = post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 1, "session": name})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens"]
+
+    def saved() -> set[str]:
+        return {path.stem for path in tmp_path.glob("*.safetensors")}
+
+    with running(tiny_run, sessions_dir=tmp_path, max_session_files=3) as url:
+        fresh = [turn(url, name) for name in ("s1", "s2", "s3")]
+        continued = turn(url, "s1")  # s1 is now the most recently used
+        assert continued == fresh[0] - 1
+        turn(url, "s4")
+        turn(url, "s5")
+        assert saved() == {"s1", "s4", "s5"} and health(url)["session_files"] == 3
+        assert turn(url, "s2") == fresh[1]  # its file was removed and it left memory: it starts anew
+        assert saved() == {"s4", "s5", "s2"}
+    with running(tiny_run, sessions_dir=tmp_path, max_session_files=2) as url:  # restarted: order by file time
+        assert health(url)["session_files"] == 3
+        turn(url, "s6")
+        assert saved() == {"s2", "s6"} and health(url)["session_files"] == 2

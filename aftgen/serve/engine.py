@@ -69,7 +69,9 @@ class Engine:
         self.batch = Batch(model, options.parallel)  # its rows are the Rows generating, in step order
         self.state_bytes = state_bytes(model.initial_state(1))
         self.cache = PrefixCache(options.cache_mb) if options.cache_mb > 0 else None
-        self.sessions = SessionStore(model, tokenizer, options.sessions_dir, options.max_sessions)
+        self.sessions = SessionStore(
+            model, tokenizer, options.sessions_dir, options.max_sessions, options.max_session_files
+        )
         self.busy_sessions: set[str] = set()
         self.incoming: deque[Ticket] = deque()
         self.waiting: deque[Ticket] = deque()
@@ -122,6 +124,7 @@ class Engine:
             "cache_entries": len(self.cache) if self.cache else 0,
             "cache_mb": round(self.cache.size / 1e6, 3) if self.cache else 0.0,
             "sessions_in_memory": len(self.sessions),
+            "session_files": len(self.sessions.on_disk),
             "state_bytes": self.state_bytes,
         }
 

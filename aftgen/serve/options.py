@@ -26,6 +26,7 @@ class ServeOptions:
     cache_mb: float = 64.0  # prefix-state cache (LRU); 0: off
     sessions_dir: Path | None = None  # named sessions are saved here after every request (None: memory only)
     max_sessions: int = 64  # named sessions held in memory (with a sessions_dir, the rest wait on disk)
+    max_session_files: int = 256  # session files kept in sessions_dir; past that the least recently used goes
     prompt_chunk: int = 256  # prompt tokens read between two batched steps
     device: str = "auto"
     dtype: str = "auto"
@@ -56,6 +57,7 @@ class ServeOptions:
             "--max-tokens": (self.max_tokens, 1),
             "--max-body-bytes": (self.max_body_bytes, 1024),
             "--max-sessions": (self.max_sessions, 1),
+            "--max-session-files": (self.max_session_files, 1),
             "--prompt-chunk": (self.prompt_chunk, 1),
         }
         for name, (value, least) in at_least.items():
