@@ -3,9 +3,13 @@ talked to with the official openai client and with plain HTTP for the error case
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import json
+import os
+import random
+import re
 import socket
 import threading
 import time
@@ -636,3 +640,83 @@ def test_session_files_past_the_cap_go_least_recently_used_first(tiny_run, tmp_p
         assert health(url)["session_files"] == 3
         turn(url, "s6")
         assert saved() == {"s2", "s6"} and health(url)["session_files"] == 2
+
+
+SOAK_SECONDS = float(os.environ.get("AFTGEN_SOAK_SECONDS", "30"))
+SOAK_CLIENTS = 32
+SOAK_RSS_GROWTH_MB = 50  # README, "What happens when...": the bound on resident memory growth after warm-up
+
+
+def resident_mb() -> float:
+    """This process's resident memory (the server runs in it)."""
+    status = open("/proc/self/status").read()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
+
+
+async def soak_client(http: httpx.AsyncClient, url: str, index: int, until: float, tally: dict) -> None:
+    """Until `until`: streams of completions and chat, a named session of its own half the time; one
+    request in six ends early (the client goes away), one in six is a bad request."""
+    rng = random.Random(index)
+    while time.monotonic() < until:
+        roll = rng.random()
+        if roll < 1 / 6:
+            body = rng.choice([{"prompt": 5}, {"prompt": "x", "temperature": -1}, {"messages": []}, {"frob": 1}])
+            response = await http.post(f"{url}/v1/completions", json=body, headers=AUTH)
+            assert response.status_code == 400 and set(response.json()["error"]) == {"message", "type", "param", "code"}
+            tally["bad"] += 1
+            continue
+        chat = rng.random() < 0.5
+        body = {"max_tokens": rng.randint(5, 60), "stream": True, "temperature": 0.9}
+        body |= (
+            {"messages": [{"role": "user", "content": "KING:"}]}
+            if chat
+            else {"prompt": rng.choice(["KING:", "NURSE:"])}
+        )
+        if rng.random() < 0.5:
+            body["session"] = f"soak-{index}"
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        leave_after = rng.randint(1, 5) if roll < 2 / 6 else None
+        async with http.stream("POST", f"{url}{path}", json=body, headers=AUTH) as response:
+            assert response.status_code == 200, await response.aread()
+            sent = []
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    sent.append(line[6:])
+                    if leave_after is not None and len(sent) == leave_after:
+                        break
+        if leave_after is not None:
+            tally["left"] += 1
+            continue
+        assert sent[-1] == "[DONE]", sent[-3:]  # not cut short
+        chunks = [json.loads(data) for data in sent[:-1]]
+        assert all("error" not in chunk for chunk in chunks), chunks
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+        tally["whole"] += 1
+
+
+@pytest.mark.soak
+def test_soak_32_streaming_clients_leave_no_stream_cut_short_and_memory_flat(tiny_run, tmp_path):
+    """About 30 s (AFTGEN_SOAK_SECONDS) of 32 clients on 127.0.0.1: streams run to [DONE], resident
+    memory after warm-up grows by at most SOAK_RSS_GROWTH_MB, and every session file loads."""
+    tally = {"whole": 0, "left": 0, "bad": 0}
+
+    async def clients(url: str, seconds: float) -> None:
+        limits = httpx.Limits(max_connections=SOAK_CLIENTS)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+            until = time.monotonic() + seconds
+            await asyncio.gather(*(soak_client(http, url, i, until, tally) for i in range(SOAK_CLIENTS)))
+
+    with running(tiny_run, sessions_dir=tmp_path, parallel=SOAK_CLIENTS, queue=SOAK_CLIENTS) as url:
+        asyncio.run(clients(url, min(5.0, SOAK_SECONDS / 4)))  # warm-up: buffers, caches and sessions fill
+        before = resident_mb()
+        asyncio.run(clients(url, SOAK_SECONDS))
+        wait_for(lambda: health(url)["slots_busy"] == 0)
+        growth = resident_mb() - before
+    print(f"soak: {tally}, resident memory {before:.0f} MB + {growth:.1f} MB")
+    assert tally["whole"] > SOAK_CLIENTS and tally["left"] and tally["bad"]
+    assert growth <= SOAK_RSS_GROWTH_MB
+    model, tokenizer = load(tiny_run)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert len(files) == SOAK_CLIENTS
+    for path in files:
+        load_state(path, model, tokenizer)
