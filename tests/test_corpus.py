@@ -22,11 +22,12 @@ from typer.testing import CliRunner
 from aftgen.cli import app
 from aftgen.corpus import CorpusOptions, prepare_corpus, sources
 from aftgen.corpus import cache as corpus_cache
+from aftgen.corpus import sample as corpus_sample
 from aftgen.corpus.sample import evenly
 from aftgen.corpus.sources import Document
 from aftgen.corpus.split import split_corpus
 from aftgen.errors import AftgenError
-from aftgen.tokenizer import train_tokenizer
+from aftgen.tokenizer import TRAINER_SLICE, train_tokenizer
 
 runner = CliRunner()
 # Tiny chunks and pieces, so that every text below is cut many times.
@@ -96,10 +97,20 @@ def test_sample_is_drawn_from_across_the_corpus():
     assert list(evenly(slices, total=5000, budget=5000)) == slices  # all of it when it fits
 
 
-def test_tokenizer_sample_is_bounded(tmp_path):
+def test_tokenizer_sample_is_bounded(tmp_path, monkeypatch):
+    """The trainer reads about `tokenizer_sample` characters (20M unless told), not the whole text."""
+    assert CorpusOptions().tokenizer_sample == 20_000_000
     text = corpus_text(60_000)
     options = CorpusOptions(**TINY, tokenizer_sample=20_000)
+    given = []
+    real = corpus_sample.train_tokenizer_on_slices
+    monkeypatch.setattr(
+        corpus_sample,
+        "train_tokenizer_on_slices",
+        lambda slices, *a, **k: given.extend(slices) or real(slices, *a, **k),
+    )
     prepared = prepare_corpus([write_text(tmp_path / "a.txt", text)], options, quiet)
+    assert abs(sum(map(len, given)) - 20_000) <= TRAINER_SLICE  # whole slices, as near the bound as they come
     whole = train_tokenizer(text[: int(0.9 * len(text))], 300, log=quiet)
     assert prepared.tokenizer.model_proto != whole.model_proto  # trained on a third of the text
     assert prepared.tokenizer.decode(prepared.train_ids[1:].tolist()) == text[: int(0.9 * len(text))]
