@@ -203,6 +203,7 @@ class AFTLM(nn.Module):
         device = self.embed.weight.device
         return [block.mixer.initial_state(batch_size, device) for block in self.blocks]
 
+    @torch.no_grad()  # the inference API: no gradient flows through a carried state (training uses forward)
     def prefill(
         self, ids: torch.Tensor, state: ModelState | None = None, last_only: bool = False
     ) -> tuple[torch.Tensor, ModelState]:
@@ -222,6 +223,7 @@ class AFTLM(nn.Module):
             new_states.append(layer_state)
         return self._logits(x), new_states
 
+    @torch.no_grad()
     def step(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         """Feed one token per sequence, ids (B,); return logits (B, vocab). Updates `state` in place."""
         x = self.embed(ids.to(self.embed.weight.device))

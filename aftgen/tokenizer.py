@@ -65,6 +65,11 @@ class Tokenizer:
     def bos_id(self) -> int:
         return self.sp.bos_id()
 
+    @property
+    def longest_piece(self) -> int:
+        """The most UTF-8 bytes one token stands for: a text of N bytes is at least N / this many tokens."""
+        return max(1, max(map(len, self._piece_bytes)))
+
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(_escape(text))
 

@@ -22,11 +22,12 @@ from typer.testing import CliRunner
 from aftgen.cli import app
 from aftgen.corpus import CorpusOptions, prepare_corpus, sources
 from aftgen.corpus import cache as corpus_cache
+from aftgen.corpus import sample as corpus_sample
 from aftgen.corpus.sample import evenly
 from aftgen.corpus.sources import Document
 from aftgen.corpus.split import split_corpus
 from aftgen.errors import AftgenError
-from aftgen.tokenizer import train_tokenizer
+from aftgen.tokenizer import TRAINER_SLICE, train_tokenizer
 
 runner = CliRunner()
 # Tiny chunks and pieces, so that every text below is cut many times.
@@ -96,10 +97,20 @@ def test_sample_is_drawn_from_across_the_corpus():
     assert list(evenly(slices, total=5000, budget=5000)) == slices  # all of it when it fits
 
 
-def test_tokenizer_sample_is_bounded(tmp_path):
+def test_tokenizer_sample_is_bounded(tmp_path, monkeypatch):
+    """The trainer reads about `tokenizer_sample` characters (20M unless told), not the whole text."""
+    assert CorpusOptions().tokenizer_sample == 20_000_000
     text = corpus_text(60_000)
     options = CorpusOptions(**TINY, tokenizer_sample=20_000)
+    given = []
+    real = corpus_sample.train_tokenizer_on_slices
+    monkeypatch.setattr(
+        corpus_sample,
+        "train_tokenizer_on_slices",
+        lambda slices, *a, **k: given.extend(slices) or real(slices, *a, **k),
+    )
     prepared = prepare_corpus([write_text(tmp_path / "a.txt", text)], options, quiet)
+    assert abs(sum(map(len, given)) - 20_000) <= TRAINER_SLICE  # whole slices, as near the bound as they come
     whole = train_tokenizer(text[: int(0.9 * len(text))], 300, log=quiet)
     assert prepared.tokenizer.model_proto != whole.model_proto  # trained on a third of the text
     assert prepared.tokenizer.decode(prepared.train_ids[1:].tolist()) == text[: int(0.9 * len(text))]
@@ -326,3 +337,52 @@ def test_prepare_prints_the_cache_and_a_second_run_reuses_it(tmp_path):
     assert (folder / "train.bin").stat().st_size == 2 * tokens and np.dtype(manifest["dtype"]) == np.uint16
     with pytest.raises(AftgenError, match="must be positive"):
         prepare_corpus([path], CorpusOptions(held_out=0), quiet)
+
+
+def _manifest_without(field: str):
+    def damage(folder: Path) -> None:
+        manifest = json.loads((folder / "tokens.json").read_text())
+        del manifest["parts"]["train"][field]
+        (folder / "tokens.json").write_text(json.dumps(manifest))
+
+    return damage
+
+
+def _id_past_the_vocabulary(folder: Path) -> None:
+    with open(folder / "train.bin", "r+b") as handle:
+        handle.seek(2 * 7)
+        handle.write(np.array([65535], dtype=np.uint16).tobytes())
+
+
+def _unfinished_with_an_impossible_span(folder: Path) -> None:
+    manifest = json.loads((folder / "tokens.json").read_text())
+    (folder / "tokens.json").unlink()
+    progress = manifest["parts"] | {"train": {"span": 99, "char": 0, "tokens": 0, "bytes": 0}}
+    (folder / "progress.json").write_text(json.dumps(progress))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda folder: (folder / "tokens.json").write_text("{}"),
+        lambda folder: (folder / "tokens.json").write_text("[]"),
+        lambda folder: (folder / "tokens.json").write_text("null"),
+        lambda folder: (folder / "tokens.json").write_text('{"dtype": "uint16", "parts": {"train": 5}'),
+        _manifest_without("bytes"),
+        _id_past_the_vocabulary,
+        _unfinished_with_an_impossible_span,
+    ],
+    ids=["empty object", "list", "null", "truncated", "no bytes", "id past vocabulary", "impossible span"],
+)
+def test_a_damaged_cache_entry_is_prepared_again_with_a_warning(tmp_path, damage):
+    path = write_text(tmp_path / "a.txt", corpus_text(20_000))
+    first = invoke("prepare", path, "--vocab-size", 300)
+    folder = Path(first.stdout.strip())
+    tokens = {part: (folder / f"{part}.bin").read_bytes() for part in ("train", "held_out")}
+    damage(folder)
+    again = invoke("prepare", path, "--vocab-size", 300)
+    assert again.exit_code == 0, again.output
+    warnings = [line for line in again.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "is damaged" in warnings[0] and "encoding" in again.stderr, again.stderr
+    assert {part: (folder / f"{part}.bin").read_bytes() for part in tokens} == tokens
+    assert invoke("prepare", path, "--vocab-size", 300).stderr.count("warning") == 0  # whole again

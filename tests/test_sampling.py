@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,3 +327,18 @@ def test_chunk_reader_falls_back_to_eager_where_compiling_fails(tiny_run, monkey
     model, _ = load(str(tiny_run), device=DEVICE)
     reader, note = compile_prefill(model, 16)
     assert reader == model.prefill and note.startswith("eager (torch.compile failed: RuntimeError")
+
+
+def test_the_readme_python_api_example_runs_as_written(tiny_run, tmp_path, monkeypatch):
+    """The block under README's "Python API", run unchanged (its runs/corpus is the tiny run): no import
+    missing, and prefill and step work outside torch.no_grad(), as an inference API should."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Python API", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "corpus").symlink_to(tiny_run)
+    monkeypatch.chdir(tmp_path)
+    names: dict = {}
+    exec(compile(code, "README.md", "exec"), names)
+    assert names["logits"].shape == (1, names["model"].config.vocab_size)
+    assert not names["logits"].requires_grad

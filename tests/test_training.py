@@ -86,6 +86,15 @@ def test_patience_stops_after_checks_without_a_new_best(tmp_path, corpus, tiny_r
     assert "final_eval" in info  # a finished run, scored like one that spent its budget
 
 
+def test_patience_counts_the_checks_before_a_resume(tmp_path, corpus, tiny_run, monkeypatch):
+    # steps 2, 4, 6 before the resume (best: 4), then 8 and 10: the third check since the best is step 10
+    scripted_held_out(monkeypatch, [3.0, 2.0, 2.5, 2.6, 2.7, 2.8, 2.9])
+    out = train_tiny(corpus, tmp_path / "run", keep_best=True, patience=3, max_steps=6, eval_interval=2)
+    train_tiny(corpus, out, keep_best=True, patience=3, max_steps=40, eval_interval=2, resume=True)
+    info = json.loads((out / TRAINING_INFO).read_text())
+    assert info["step"] == 10 and info["best"]["step"] == 4
+
+
 @pytest.mark.parametrize("stored", ["fp16", "bf16"])
 def test_half_precision_weights_halve_the_file_and_load_as_fp32(tmp_path, corpus, tiny_run, stored):
     full = train_tiny(corpus, tmp_path / "fp32", max_steps=4)
@@ -112,23 +121,35 @@ def test_held_out_check_over_many_windows_is_the_plain_mean(tmp_path):
     assert evaluate.window_loss(model, ids, length, windows) == pytest.approx(float(expected), rel=1e-5)
 
 
-def test_weight_average_follows_its_formula():
+def test_weight_average_is_the_ramped_mean_of_every_step_then_an_ema():
+    """Checked against closed forms, not the update rule: while the ramp (1 + s) / (10 + s) is below the
+    decay, the average after T steps weighs step s's weights by C(s + 9, 8) / C(T + 10, 9) and the
+    starting ones by 10 / C(T + 10, 9) (the ramp's product telescopes); once the decay caps the ramp,
+    it is the plain exponential average, the last step weighed 1 - decay."""
     from aftgen.training.averaging import WeightAverage
 
     torch.manual_seed(0)
     model = on_device(AFTLM(AFTConfig(vocab_size=50, n_layer=1, n_embd=16, n_head=2, window=4, context_length=16)))
-    average = WeightAverage(model, decay=0.9)
-    expected = [p.detach().clone() for p in model.parameters()]
-    for step in range(1, 40):
+    snapshots = [[p.detach().clone() for p in model.parameters()]]
+    ramped, capped = WeightAverage(model, decay=0.999), WeightAverage(model, decay=0.5)
+    steps = 30
+    for step in range(1, steps + 1):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
-        average.update(model, step)
-        decay = min(0.9, (1 + step) / (10 + step))  # ramps up, then holds at 0.9
-        expected = [decay * e + (1 - decay) * p.detach() for e, p in zip(expected, model.parameters(), strict=True)]
-    for got, want in zip(average.model.parameters(), expected, strict=True):
-        torch.testing.assert_close(got, want)
-    assert not any(p.requires_grad for p in average.model.parameters())
+        snapshots.append([p.detach().clone() for p in model.parameters()])
+        before = [p.clone() for p in capped.model.parameters()]
+        ramped.update(model, step)
+        capped.update(model, step)
+    total = math.comb(steps + 10, 9)
+    shares = [10 / total] + [math.comb(s + 9, 8) / total for s in range(1, steps + 1)]
+    assert sum(shares) == pytest.approx(1)
+    for i, got in enumerate(ramped.model.parameters()):
+        want = sum(share * snapshot[i] for share, snapshot in zip(shares, snapshots, strict=True))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for got, old, new in zip(capped.model.parameters(), before, snapshots[-1], strict=True):
+        torch.testing.assert_close(got, 0.5 * old + 0.5 * new)
+    assert not any(p.requires_grad for p in ramped.model.parameters())
 
 
 def test_ema_checks_and_publishes_the_average(tmp_path, corpus, tiny_run):

@@ -39,7 +39,13 @@ def serve(
     timeout: Annotated[
         float, _limit("Seconds a request may take, queueing included; past that: 504.")
     ] = Defaults.timeout,
+    read_timeout: Annotated[
+        float, _limit("Seconds a client may stay silent while its request is read; then 408 or closed.")
+    ] = Defaults.read_timeout,
     max_sessions: Annotated[int, _limit("Named sessions held in memory.")] = Defaults.max_sessions,
+    max_session_files: Annotated[
+        int, _limit("Session files kept in --sessions-dir; past that the least recently used is removed.")
+    ] = Defaults.max_session_files,
     prompt_chunk: Annotated[int, _limit("Prompt tokens read between two batched steps.")] = Defaults.prompt_chunk,
     device: DeviceOption = Defaults.device,
     dtype: DtypeOption = Defaults.dtype,

@@ -19,7 +19,7 @@ import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -47,11 +47,23 @@ def _fresh() -> dict:
     return {"span": 0, "char": 0, "tokens": 0, "bytes": 0}
 
 
-class TokenFiles:
-    """The token files of one corpus and tokenizer: written resumably, then memory-mapped."""
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
-    def __init__(self, folder: Path, dtype: np.dtype):
-        self.folder, self.dtype = folder, np.dtype(dtype)
+
+Warn = Callable[[str], None]
+ID_BLOCK = 1 << 22  # token ids checked at a time when a cached file is opened
+
+
+class TokenFiles:
+    """The token files of one corpus and tokenizer: written resumably, then memory-mapped.
+
+    `spans` gives, per part, the characters of each of its spans: what a progress record or manifest
+    must fit. Nothing read back from the cache is trusted before it is checked against them.
+    """
+
+    def __init__(self, folder: Path, dtype: np.dtype, spans: dict[str, list[int]], vocab_size: int):
+        self.folder, self.dtype, self.spans, self.vocab_size = folder, np.dtype(dtype), spans, vocab_size
         self.progress = {part: _fresh() for part in PARTS}
 
     def path(self, part: str) -> Path:
@@ -68,35 +80,84 @@ class TokenFiles:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
-    def finished(self) -> dict | None:
-        """The manifest of complete token files, or None (never written, or the files do not match it)."""
-        try:
-            manifest = json.loads((self.folder / MANIFEST).read_text())
-            sizes = {part: self.path(part).stat().st_size for part in PARTS}
-        except (OSError, ValueError):
+    def finished(self, warn: Warn) -> dict | None:
+        """The manifest of complete token files, or None: never written, or damaged (`warn` hears why)."""
+        if not (self.folder / MANIFEST).exists():
             return None
-        expected = {part: manifest["parts"][part]["tokens"] * self.dtype.itemsize for part in PARTS}
-        return manifest if manifest.get("dtype") == self.dtype.name and sizes == expected else None
+        manifest, problem = self._checked(MANIFEST, complete=True)
+        if problem is None:
+            return manifest
+        warn(f"warning: {self.folder / MANIFEST} is damaged ({problem}); preparing that cache entry again")
+        return None
 
-    def resume(self) -> bool:
+    def resume(self, warn: Warn) -> bool:
         """Continue from the last complete chunk (True), or start from nothing (False)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             (self.folder / MANIFEST).unlink()  # a manifest whose files do not match it
-        try:
-            progress = json.loads((self.folder / PROGRESS).read_text())
-            lengths = {part: progress[part]["tokens"] * self.dtype.itemsize for part in PARTS}
-            if all(self.path(part).stat().st_size >= lengths[part] for part in PARTS):
+        if (self.folder / PROGRESS).exists():
+            progress, problem = self._checked(PROGRESS, complete=False)
+            if problem is None:
                 for part in PARTS:
-                    os.truncate(self.path(part), lengths[part])  # drop a chunk that was cut short
+                    os.truncate(self.path(part), progress[part]["tokens"] * self.dtype.itemsize)  # a chunk cut short
                 self.progress = progress
                 return True
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+            warn(f"warning: {self.folder / PROGRESS} is damaged ({problem}); preparing that cache entry from the start")
         for part in PARTS:
             self.path(part).write_bytes(b"")
         self.progress = {part: _fresh() for part in PARTS}
         return False
+
+    def _checked(self, name: str, complete: bool) -> tuple[dict, str | None]:
+        """A progress record or manifest read from the folder, and what is wrong with it (None: nothing)."""
+        try:
+            record = json.loads((self.folder / name).read_text())
+        except (OSError, ValueError) as exc:
+            return {}, f"unreadable: {exc}"
+        if not isinstance(record, dict):
+            return {}, "not a JSON object"
+        if complete and record.get("dtype") != self.dtype.name:
+            return record, f"dtype {record.get('dtype')!r}, expected {self.dtype.name}"
+        return record, self._problem(record.get("parts") if complete else record, complete)
+
+    def _problem(self, parts: object, complete: bool) -> str | None:
+        """What is wrong with the counts of a progress record or manifest (`complete`: every span read), or None.
+
+        Its counts must fit the spans (every character is at least a byte, every document at least its
+        BOS), the files must hold at least (complete: exactly) its tokens, and every id must be below
+        the vocabulary size.
+        """
+        if not isinstance(parts, dict):
+            return "its parts are not an object"
+        for part in PARTS:
+            counts, spans = parts.get(part), self.spans[part]
+            if not isinstance(counts, dict) or not all(_count(counts.get(key)) for key in _fresh()):
+                return f"'{part}' lacks a count of span, char, tokens and bytes"
+            span, char, tokens = counts["span"], counts["char"], counts["tokens"]
+            if span > len(spans) or (span == len(spans) and char) or (span < len(spans) and char > spans[span]):
+                return f"'{part}' stops at character {char} of span {span}, which {len(spans)} spans cannot hold"
+            if complete and span < len(spans):
+                return f"'{part}' is unfinished"
+            read = sum(spans[:span]) + char
+            if counts["bytes"] < read or tokens < span + (char > 0):
+                return f"'{part}' counts {tokens} tokens and {counts['bytes']} bytes for {read} characters"
+            size = self.path(part).stat().st_size if self.path(part).exists() else -1
+            wanted = tokens * self.dtype.itemsize
+            if size < wanted or (complete and size != wanted):
+                return f"{self.path(part).name} holds {max(size, 0)} bytes, not the {wanted} it should"
+            highest = self._highest_id(part, tokens)
+            if highest >= self.vocab_size:
+                return f"{self.path(part).name} holds token id {highest}, past the vocabulary's {self.vocab_size}"
+        return None
+
+    def _highest_id(self, part: str, tokens: int) -> int:
+        """The largest of a part's first `tokens` ids (-1 if none), read a block at a time (memory stays flat)."""
+        highest = -1
+        with open(self.path(part), "rb") as handle:
+            for start in range(0, tokens, ID_BLOCK):
+                block = np.fromfile(handle, dtype=self.dtype, count=min(ID_BLOCK, tokens - start))
+                highest = max(highest, int(block.max()))
+        return highest
 
     def append(self, part: str, ids: np.ndarray, progress: dict) -> None:
         """Add a chunk's ids to a part, durably, then record how far the part has got with them."""

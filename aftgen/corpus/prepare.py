@@ -162,11 +162,14 @@ def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, meter: Meter) -> Prepare
         "chunk": options.chunk_chars,
         "piece": options.piece_chars,
     }
-    files = TokenFiles(corpus.folder / f"tokens-{cache_key(settings)}", token_dtype(tokenizer.vocab_size))
+    spans = {"held_out": corpus.split.held_out, "train": corpus.split.train}
+    chars = {part: [span.chars for span in part_spans] for part, part_spans in spans.items()}
+    folder = corpus.folder / f"tokens-{cache_key(settings)}"
+    files = TokenFiles(folder, token_dtype(tokenizer.vocab_size), chars, tokenizer.vocab_size)
     with files.locked():
-        manifest = files.finished()
+        manifest = files.finished(meter.log)
         if manifest is None:
-            if files.resume():
+            if files.resume(meter.log):
                 meter.log(f"continuing the preparation left unfinished in {files.folder}")
             manifest = _encode(corpus, tokenizer, files, meter)
     return _prepared(corpus, tokenizer, files, manifest)

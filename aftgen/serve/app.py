@@ -36,7 +36,7 @@ class Gone:
 
 
 def error_response(error: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if error.status == 503 else None
+    headers = {503: {"Retry-After": "1"}, 408: {"Connection": "close"}}.get(error.status)  # 408: the body is unread
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -106,14 +106,15 @@ class Server:
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
     def authorize(self, request: Request) -> None:
+        """The key is compared as the bytes sent (a header is bytes; the key is its UTF-8), in constant time."""
         key = self.options.api_key
         if key is None:
             return
-        given = request.headers.get("authorization", "")
+        given = next((value for name, value in request.scope["headers"] if name == b"authorization"), b"")
         if not given:
             raise APIError(401, "You didn't provide an API key: send 'Authorization: Bearer KEY'.")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), key.encode("utf-8")):
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     async def health(self, request: Request) -> JSONResponse:
@@ -150,15 +151,30 @@ class Server:
         return await self._answer(request, lambda: self._generate(request, chat=True))
 
     async def _body(self, request: Request) -> dict:
-        """The JSON object in the body, refusing one over the size limit before reading it all."""
+        """The JSON object in the body, refusing one over the size limit before reading it all.
+
+        Only `Content-Type: application/json` is read: a web page can make a browser send a form or
+        text/plain to 127.0.0.1 without asking first (no CORS preflight), but never JSON.
+        """
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":
+            given = f"'{media_type}'" if media_type else "none"
+            message = f"{request.url.path} takes a JSON body: send 'Content-Type: application/json' (got {given})"
+            raise APIError(415, message)
         limit = self.options.max_body_bytes
         too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_large
-        body = bytearray()
-        async for piece in request.stream():
-            body += piece
+        body, pieces = bytearray(), request.stream()
+        while True:
+            try:
+                body += await asyncio.wait_for(anext(pieces), self.options.read_timeout)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                message = f"the request body stopped arriving for {self.options.read_timeout:g} s"
+                raise APIError(408, message, code="request_timeout") from None
             if len(body) > limit:
                 raise too_large
         try:
@@ -221,8 +237,9 @@ class Server:
         events = [first]
         while True:
             for event in merged(events):
-                if isinstance(event, Failed):
+                if isinstance(event, Failed):  # an error event, then the stream ends as every stream does
                     yield sse(failure(event).body())
+                    yield sse("[DONE]")
                     return
                 reply.take(event)
                 if isinstance(event, Text):

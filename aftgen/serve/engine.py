@@ -69,7 +69,9 @@ class Engine:
         self.batch = Batch(model, options.parallel)  # its rows are the Rows generating, in step order
         self.state_bytes = state_bytes(model.initial_state(1))
         self.cache = PrefixCache(options.cache_mb) if options.cache_mb > 0 else None
-        self.sessions = SessionStore(model, tokenizer, options.sessions_dir, options.max_sessions)
+        self.sessions = SessionStore(
+            model, tokenizer, options.sessions_dir, options.max_sessions, options.max_session_files
+        )
         self.busy_sessions: set[str] = set()
         self.incoming: deque[Ticket] = deque()
         self.waiting: deque[Ticket] = deque()
@@ -122,6 +124,7 @@ class Engine:
             "cache_entries": len(self.cache) if self.cache else 0,
             "cache_mb": round(self.cache.size / 1e6, 3) if self.cache else 0.0,
             "sessions_in_memory": len(self.sessions),
+            "session_files": len(self.sessions.on_disk),
             "state_bytes": self.state_bytes,
         }
 
@@ -344,8 +347,10 @@ class Engine:
         ticket, stream, session = row.ticket, row.stream, row.ticket.work.session
         if session is not None:
             stream.end(final=False)  # an unfinished character waits in the context for the next request
-            self.sessions.put(session, stream.context)
-            self.busy_sessions.discard(session)
+            saved = self._keep_session(session, stream.context)
+            if saved is not None and not ticket.cancelled:
+                self._emit(ticket, saved)
+                return
         if ticket.cancelled:
             return
         if session is None:
@@ -356,6 +361,18 @@ class Engine:
         ticket.unfinished -= 1
         if ticket.unfinished == 0:
             self._emit(ticket, Done())
+
+    def _keep_session(self, name: str, context: Context) -> Failed | None:
+        """Keep a session's context after its turn; a file that cannot be written fails this request
+        alone (the context stays in memory, so the session goes on)."""
+        try:
+            self.sessions.put(name, context)
+        except (AftgenError, OSError) as exc:
+            message = f"session '{name}' could not be saved ({exc}); its state is kept in this server's memory"
+            return Failed(500, message, "server_error", "session_not_saved")
+        finally:
+            self.busy_sessions.discard(name)
+        return None
 
     def _remember_reply(self, row: Row) -> None:
         """Cache the conversation as the client will send it next: the prompt, then the reply read as text.

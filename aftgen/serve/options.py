@@ -22,9 +22,11 @@ class ServeOptions:
     max_tokens: int = 1024  # the most a request may ask for, and what it gets if it does not say
     max_body_bytes: int = 1 << 20  # request bodies past this: 413
     timeout: float = 600.0  # seconds a request may take, waiting included; past that: 504
+    read_timeout: float = 10.0  # seconds a client may stay silent while its request is read (or kept alive)
     cache_mb: float = 64.0  # prefix-state cache (LRU); 0: off
     sessions_dir: Path | None = None  # named sessions are saved here after every request (None: memory only)
     max_sessions: int = 64  # named sessions held in memory (with a sessions_dir, the rest wait on disk)
+    max_session_files: int = 256  # session files kept in sessions_dir; past that the least recently used goes
     prompt_chunk: int = 256  # prompt tokens read between two batched steps
     device: str = "auto"
     dtype: str = "auto"
@@ -46,6 +48,8 @@ class ServeOptions:
             raise AftgenError("--host must not be empty")
         if self.api_key is not None and not self.api_key.strip():
             raise AftgenError("--api-key must not be empty")
+        if self.api_key is not None and self.api_key != self.api_key.strip():
+            raise AftgenError("--api-key starts or ends with spaces, which no client can send in a header: remove them")
         at_least = {
             "--parallel": (self.parallel, 1),
             "--queue": (self.queue, 0),
@@ -53,13 +57,15 @@ class ServeOptions:
             "--max-tokens": (self.max_tokens, 1),
             "--max-body-bytes": (self.max_body_bytes, 1024),
             "--max-sessions": (self.max_sessions, 1),
+            "--max-session-files": (self.max_session_files, 1),
             "--prompt-chunk": (self.prompt_chunk, 1),
         }
         for name, (value, least) in at_least.items():
             if value < least:
                 raise AftgenError(f"{name} must be >= {least}, got {value}")
-        if not self.timeout > 0:
-            raise AftgenError(f"--timeout must be positive, got {self.timeout}")
+        for name, seconds in (("--timeout", self.timeout), ("--read-timeout", self.read_timeout)):
+            if not seconds > 0:
+                raise AftgenError(f"{name} must be positive, got {seconds}")
         if not self.cache_mb >= 0:
             raise AftgenError(f"--cache-mb must be >= 0 (0 turns the cache off), got {self.cache_mb}")
         if self.sessions_dir is not None and self.sessions_dir.exists() and not self.sessions_dir.is_dir():

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aftgen.sampling import MAX_REPEAT_LAST_N, SamplingOptions
-from aftgen.serve.conversation import REPLY_END, ROLES, chat_ids
+from aftgen.serve.conversation import REPLY_END, ROLES, chat_ids, message_text
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.sessions import valid_name
 from aftgen.serve.work import Work
@@ -198,8 +198,54 @@ def messages(name: str, value: object) -> list[tuple[str, str]]:
     return pairs
 
 
+def unencodable(body: dict) -> str | None:
+    """Where the body holds text that is not Unicode (a lone surrogate such as "\\ud800", which JSON can
+    spell but UTF-8 cannot), as a field path like `messages[0].content`; None if nowhere."""
+    pending: list[tuple[str, object]] = [("", body)]
+    while pending:
+        where, value = pending.pop()
+        if isinstance(value, str) and not _encodes(value):
+            return where
+        if isinstance(value, dict):
+            for key, item in value.items():
+                path = f"{where}.{key}" if where else key
+                if not _encodes(key):
+                    return path.encode("utf-8", "backslashreplace").decode()
+                pending.append((path, item))
+        elif isinstance(value, list):
+            pending.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def prompt_ids(values: dict, chat: bool, tokenizer: Tokenizer, limit: int) -> list[int]:
+    """The prompt's token ids, refusing one over `limit` tokens (BOS included); one whose bytes alone
+    show it cannot fit is refused before it is tokenized (no token stands for more than `longest_piece`)."""
+    param = "messages" if chat else "prompt"
+    texts = [message_text(role, content) for role, content in values["messages"]] if chat else [values["prompt"]]
+    at_least = sum(-(-len(text.encode("utf-8")) // tokenizer.longest_piece) for text in texts) + 1  # + BOS
+    if at_least > limit:
+        message = f"the prompt is at least {at_least} tokens, more than this server's limit of {limit}"
+        raise APIError(400, message, param=param, code="context_length_exceeded")
+    ids = chat_ids(tokenizer, values["messages"]) if chat else tokenizer.encode(values["prompt"])
+    if len(ids) + 1 > limit:
+        message = f"the prompt is {len(ids) + 1} tokens, more than this server's limit of {limit}"
+        raise APIError(400, message, param=param, code="context_length_exceeded")
+    return ids
+
+
 def parse_request(body: dict, chat: bool, options: ServeOptions, tokenizer: Tokenizer, model_name: str) -> Request:
     """Check a /v1/completions (chat=False) or /v1/chat/completions body; raises APIError."""
+    where = unencodable(body)
+    if where is not None:
+        raise invalid(where, f"'{where}' holds a lone surrogate (such as \\ud800): it is not valid Unicode text")
     if chat:
         fields = {"messages": messages, "max_completion_tokens": integer(0, options.max_tokens)}
     else:
@@ -217,10 +263,7 @@ def parse_request(body: dict, chat: bool, options: ServeOptions, tokenizer: Toke
         raise invalid("max_tokens", "give 'max_tokens' or 'max_completion_tokens', not both")
     if values.get("session") is not None and values.get("n", 1) > 1:
         raise invalid("n", "a session continues one conversation: 'n' must be 1 with 'session'")
-    ids = chat_ids(tokenizer, values["messages"]) if chat else tokenizer.encode(values["prompt"])
-    if len(ids) + 1 > options.max_prompt_tokens:  # + BOS
-        message = f"the prompt is {len(ids) + 1} tokens, more than this server's limit of {options.max_prompt_tokens}"
-        raise APIError(400, message, param=required, code="context_length_exceeded")
+    ids = prompt_ids(values, chat, tokenizer, options.max_prompt_tokens)
     sampling = SamplingOptions(
         max_new_tokens=values.get("max_tokens", values.get("max_completion_tokens", options.max_tokens)),
         temperature=values.get("temperature", 1.0),  # OpenAI's default

@@ -52,6 +52,7 @@ def prepare(options: ServeOptions, placement: Placement) -> tuple[uvicorn.Server
     from aftgen.api import load
     from aftgen.serve.app import Server
     from aftgen.serve.engine import Engine
+    from aftgen.serve.protocol import with_read_timeout
 
     model, tokenizer = load(options.model, placement.device)
     if model.config.mixer == "attention":
@@ -62,7 +63,11 @@ def prepare(options: ServeOptions, placement: Placement) -> tuple[uvicorn.Server
     sock = listening_socket(options.host, options.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    timeout = options.read_timeout  # for headers (HeaderDeadline), each piece of a body, and an idle keep-alive
+    http = with_read_timeout(timeout)
+    config = uvicorn.Config(
+        app, http=http, log_level="warning", timeout_keep_alive=timeout, timeout_graceful_shutdown=5
+    )
     return uvicorn.Server(config), sock, url
 
 

@@ -7,6 +7,7 @@ restarted server picks it up where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import OrderedDict
 from pathlib import Path
@@ -25,13 +26,17 @@ def valid_name(name: str) -> bool:
 
 
 class SessionStore:
-    """Sessions by name: the `limit` most recently used in memory; with a folder, every one on disk too."""
+    """Sessions by name: the `limit` most recently used in memory; with a folder, the `max_files` most
+    recently used on disk too (the least recently used one's file is removed, and the session is gone)."""
 
-    def __init__(self, model: AFTLM, tokenizer: Tokenizer, folder: Path | None, limit: int):
-        self.model, self.tokenizer, self.folder, self.limit = model, tokenizer, folder, limit
+    def __init__(self, model: AFTLM, tokenizer: Tokenizer, folder: Path | None, limit: int, max_files: int):
+        self.model, self.tokenizer, self.folder, self.limit, self.max_files = model, tokenizer, folder, limit, max_files
         self.held: OrderedDict[str, Context] = OrderedDict()
+        self.on_disk: OrderedDict[str, None] = OrderedDict()  # least recently saved first
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
+            saved = [path for path in folder.glob("*.safetensors") if valid_name(path.stem) and path.is_file()]
+            self.on_disk.update((path.stem, None) for path in sorted(saved, key=lambda path: path.stat().st_mtime))
 
     def __len__(self) -> int:
         return len(self.held)
@@ -55,11 +60,22 @@ class SessionStore:
         return context
 
     def put(self, name: str, context: Context) -> None:
-        """Keep the session's context after a request, writing its file (atomically) if there is a folder."""
+        """Keep the session's context after a request, writing its file (atomically) if there is a folder.
+
+        Raises AftgenError if the file cannot be written; the context is held in memory all the same.
+        """
         self._hold(name, context)
         path = self.path(name)
-        if path is not None:
-            save_state(path, context, self.model, self.tokenizer)
+        if path is None:
+            return
+        save_state(path, context, self.model, self.tokenizer)
+        self.on_disk[name] = None
+        self.on_disk.move_to_end(name)
+        while len(self.on_disk) > self.max_files:
+            oldest, _ = self.on_disk.popitem(last=False)
+            self.held.pop(oldest, None)
+            with contextlib.suppress(OSError):  # gone already, or something else in its place: not ours to fix
+                self.path(oldest).unlink()
 
     def forget(self, name: str) -> None:
         """Drop a session from memory (its file, if any, stays: the next `get` reads it)."""

@@ -1,0 +1,142 @@
+"""Random JSON thrown at every field of both routes of `aftgen serve`: never a 500, always OpenAI's error
+shape, and the server still answers afterwards. The app runs in-process under Starlette's TestClient
+(no socket), with a tiny model and small limits, so 500 examples take seconds."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from starlette.testclient import TestClient
+
+from aftgen.api import load
+from aftgen.device import resolve
+from aftgen.serve.app import Server
+from aftgen.serve.conversation import ROLES
+from aftgen.serve.engine import Engine
+from aftgen.serve.options import ServeOptions
+from aftgen.serve.schema import IGNORED, NEUTRAL, sampling_fields
+
+KEY = "property-key"
+OPTIONS = dict(api_key=KEY, max_tokens=4, max_prompt_tokens=64, max_body_bytes=1 << 16, parallel=4, queue=4)
+EXAMPLES = 500
+
+
+@pytest.fixture(scope="module")
+def http(tiny_run, tmp_path_factory) -> Iterator[TestClient]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tokenizer = load(tiny_run)
+    sessions = tmp_path_factory.mktemp("sessions")
+    options = ServeOptions(model=str(tiny_run), sessions_dir=sessions, max_session_files=4, cache_mb=1, **OPTIONS)
+    engine = Engine(model, tokenizer, options, resolve("cpu", "fp32"))
+    app = Server(engine, "tiny").app()
+    with TestClient(app, raise_server_exceptions=False, headers={"Authorization": f"Bearer {KEY}"}) as client:
+        yield client
+    torch.set_num_threads(before)
+
+
+surrogates = st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"])  # JSON can spell them; UTF-8 cannot
+any_text = st.text(st.characters(exclude_categories=()) | surrogates, max_size=12)
+clean_text = st.text(st.characters(codec="utf-8"), max_size=30)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | any_text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(any_text, inner, max_size=4),
+    max_leaves=8,
+)
+parts = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": any_text}), max_size=3)
+odd_message = st.fixed_dictionaries(
+    {"role": st.sampled_from([*ROLES, "robot"]), "content": any_text | parts | json_values},
+    optional={"name": any_text, "extra": json_values},
+)
+message = st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": clean_text})
+VALID = {  # values each field accepts, so that most requests get past most checks and generate
+    "prompt": clean_text,
+    "messages": st.lists(message, min_size=1, max_size=3),
+    "model": st.just("tiny"),
+    "max_tokens": st.integers(0, 4),
+    "max_completion_tokens": st.integers(0, 4),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "n": st.integers(1, 4),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "stop": st.text(min_size=1, max_size=4) | st.lists(st.text(min_size=1, max_size=4), max_size=4),
+    "seed": st.integers(0, (1 << 63) - 1),
+    "top_k": st.integers(0, 50),
+    "min_p": st.floats(0, 0.99),
+    "repeat_penalty": st.floats(0.5, 2),
+    "repeat_last_n": st.integers(0, 64),
+    "session": st.sampled_from(["a", "b", "c", "d", "e", "f"]),
+} | {name: st.sampled_from(values) for name, values in NEUTRAL.items()}
+NEAR_VALID = {  # just past each range, or the wrong shape
+    "prompt": any_text | st.lists(any_text, max_size=2),
+    "messages": st.lists(odd_message | message, max_size=3),
+    "max_tokens": st.integers(-2, 6),
+    "n": st.integers(-1, 6),
+    "temperature": st.floats(-1, 3),
+    "top_p": st.floats(-0.5, 1.5),
+    "seed": st.integers(-5, 1 << 64),
+    "stop": any_text | st.lists(any_text, max_size=5),
+    "session": st.sampled_from(["../x", ".hidden", "x" * 65, "", "a b"]),
+}
+FIELDS = sorted(set(sampling_fields(ServeOptions())) | set(VALID) | set(IGNORED))
+
+
+def value(draw, name: str) -> object:
+    """Mostly a valid value, sometimes one just past it, sometimes any JSON at all."""
+    roll = draw(st.integers(0, 9))
+    if roll < 7 and name in VALID:
+        return draw(VALID[name])
+    if roll < 9 and name in NEAR_VALID:
+        return draw(NEAR_VALID[name])
+    return draw(json_values)
+
+
+@st.composite
+def bodies(draw, chat: bool) -> object:
+    """A request body: its required field and a few others, known or not; now and then not an object."""
+    if draw(st.integers(0, 19)) == 0:
+        return draw(json_values)
+    required = ["messages" if chat else "prompt"] if draw(st.integers(0, 9)) else []
+    names = draw(st.lists(st.sampled_from(FIELDS) | any_text, max_size=3, unique=True))
+    return {name: value(draw, name) for name in required + names}
+
+
+def assert_openai_error(response: httpx.Response) -> None:
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), chat=st.booleans())
+def test_random_json_never_gets_a_500_and_errors_keep_openai_shape(http, data, chat):
+    body = data.draw(bodies(chat))
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    content = json.dumps(body).encode()  # NaN and infinities as JavaScript spells them, surrogates escaped
+    response = http.post(path, content=content, headers={"Content-Type": "application/json"})
+    event(f"status {response.status_code}")  # --hypothesis-show-statistics: how many got how far
+    assert response.status_code < 500, response.text
+    if response.status_code != 200:
+        assert_openai_error(response)
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        sent = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert sent[-1] == "[DONE]"
+        for chunk in map(json.loads, sent[:-1]):
+            assert "error" not in chunk, chunk
+    else:
+        assert response.json()["choices"]
+
+
+def test_the_server_answers_after_the_random_requests(http):
+    """Run after the property test (file order): nothing is left busy or queued, and it still generates."""
+    health = http.get("/health").json()
+    assert health["status"] == "ok" and health["slots_busy"] == 0 and health["queued"] == 0
+    assert health["session_files"] <= 4
+    reply = http.post("/v1/completions", json={"prompt": "KING:", "max_tokens": 3})
+    assert reply.json()["usage"]["completion_tokens"] == 3
