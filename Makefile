@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "torch==2.13.0"  # the CPU wheel; first, so nothing pulls a CUDA build
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,plot]"
 	touch $@
 
 test: lint

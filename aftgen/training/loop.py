@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from aftgen import data, distributed, evaluate
+from aftgen import curves, data, distributed, evaluate
 from aftgen.checkpoint import WEIGHTS, read_weights
 from aftgen.corpus import PreparedCorpus, prepare_corpus
 from aftgen.device import Compiled, Placement, resolve
@@ -116,6 +116,8 @@ def _start(
             log(f"note: trained so far by {run.saved_world_size} processes, now {world.size}: the global batch changes")
     if world.rank:  # own dropout masks per process (the model's initialisation above is the same everywhere)
         torch.manual_seed(options.seed + 1_000_003 * world.rank + training.step)
+    if run.curves is None and world.main:
+        log(curves.MISSING)
     run.description = describe_run(options, run, model, placement.describe(), world)
     batch = run.description["global_batch_size"]
     log(
@@ -281,6 +283,8 @@ def _final_save(
     if options.keep_best and run.world.main and not stopped_by and not last_checked:
         improved = run.is_best(training.step, _held_out_nats_per_char(options, corpus, training.published))
     run.save(training, corpus.tokenizer, training.elapsed, improved)
+    if run.curves:
+        run.curves.flush()
 
 
 def _finish(options: TrainOptions, run: RunFolder, corpus: PreparedCorpus, training: TrainingState, log) -> None:
