@@ -121,7 +121,7 @@ def test_stop_cancels_the_stream_and_the_server_frees_its_row(playground, open_u
     playground.settings(max_tokens=20_000)
     playground.page.click("#tab-completion")
     playground.send("JULIET:")
-    playground.page.wait_for_function("document.querySelector('.reply .text').textContent.length > 20")
+    playground.page.wait_for_function("() => document.querySelector('.reply .text').textContent.length > 20")
     playground.page.click("#stop")
     playground.reply(state="stopped")
     wait_for(lambda: busy_slots(open_url) == 0)
