@@ -107,8 +107,12 @@ def test_text_streams_in_and_the_page_asks_nothing_of_anyone_but_the_server(play
             if (reply && reply.dataset.state === 'streaming') window.lengths.push(reply.querySelector('.text').textContent.length);
         }).observe(document.getElementById('log'), {childList: true, subtree: true, characterData: true});
     }""")
-    playground.send("ROMEO:")
+    page.fill("#input", "ROMEO:")
+    page.press("#input", "Shift+Enter")  # a new line, not a request
+    assert page.input_value("#input") == "ROMEO:\n" and not playground.generations()
+    page.press("#input", "Enter")
     text = playground.reply()
+    assert json.loads(playground.generations()[0].post_data)["prompt"] == "ROMEO:\n"
     lengths = page.evaluate("window.lengths")
     assert len({n for n in lengths if 0 < n < len(text)}) > 1  # several partial texts shown before the end
     figures = page.text_content(".reply .figures")
