@@ -6,6 +6,7 @@ installs; without it training goes on and says once how to get the picture.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import time
 from pathlib import Path
@@ -19,37 +20,36 @@ INSTALL_HINT = "pip install 'aftgen[plot]'"
 MISSING = f"note: matplotlib is not installed, so no {CURVES} is drawn; {INSTALL_HINT} to get the picture"
 RAW = "raw_weights_held_out_nats_per_char"
 DRAWING_SHARE = 0.1  # of a run's time, at most, spent redrawing its curves
+FIRST_DRAWING_GUESS = 0.5  # seconds a drawing takes (a 2-core CPU), until one has been timed
 
 
 class LiveCurves:
-    """A run's curves.png, redrawn after its held-out checks as long as drawing takes at most a tenth of
-    the run's time (a check every few seconds: every one; a tiny model checking every few milliseconds:
-    some), so a user can open it while the run goes on. `flush` draws what is still missing."""
+    """A run's curves.png, redrawn at held-out checks as long as drawing takes at most a tenth of the
+    run's time: with a check every few seconds or more, at every one, so a user can open it while the
+    run goes on; a tiny run checking every few milliseconds draws once, at the end (`flush`)."""
 
     def __init__(self, folder: Path):
-        self.folder, self.metrics, self.drawn, self.due = Path(folder), [], 0, 0.0
+        self.folder, self.metrics, self.drawn = Path(folder), [], 0
+        self.started, self.spent, self.cost = time.monotonic(), 0.0, FIRST_DRAWING_GUESS
 
     def checked(self, metrics: list[dict]) -> None:
         self.metrics = metrics
-        if time.monotonic() >= self.due:
+        if self.spent + self.cost <= DRAWING_SHARE * (time.monotonic() - self.started):
             self.flush()
 
     def flush(self) -> None:
+        """Draw the checks not drawn yet."""
         if self.drawn == len(self.metrics):
             return
         start = time.monotonic()
         save_curves(self.folder, self.metrics)
-        self.drawn = len(self.metrics)
-        self.due = start + (time.monotonic() - start) / DRAWING_SHARE
+        self.drawn, self.cost = len(self.metrics), time.monotonic() - start
+        self.spent += self.cost
 
 
 def available() -> bool:
-    """Whether matplotlib can be imported."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether matplotlib is installed (without importing it: that takes a second)."""
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def save_curves(folder: Path, metrics: list[dict]) -> None:

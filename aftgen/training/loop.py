@@ -282,9 +282,9 @@ def _final_save(
     improved = False
     if options.keep_best and run.world.main and not stopped_by and not last_checked:
         improved = run.is_best(training.step, _held_out_nats_per_char(options, corpus, training.published))
-    run.save(training, corpus.tokenizer, training.elapsed, improved)
-    if run.curves:
+    if run.curves:  # before the save, so that its model card shows them
         run.curves.flush()
+    run.save(training, corpus.tokenizer, training.elapsed, improved)
 
 
 def _finish(options: TrainOptions, run: RunFolder, corpus: PreparedCorpus, training: TrainingState, log) -> None:
