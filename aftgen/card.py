@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from aftgen.checkpoint import read_run_files
+from aftgen.curves import CURVES
 from aftgen.model import AFTConfig
 
 
-def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str = "") -> str:
-    """A Hub-style README.md for a run."""
+def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str = "", curves: bool = False) -> str:
+    """A Hub-style README.md for a run; `curves`: the folder holds curves.png, shown under the table."""
     last = metrics[-1] if metrics else {}
     final = info.get("final_eval") or {}
     lines = [
@@ -45,6 +46,8 @@ def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str =
         )
     elif last:
         lines.append(f"| held-out (quick eval) | {last['held_out_nats_per_char']:.4f} nats/char |")
+    if curves:
+        lines += ["", f"![Training curves: loss, held-out nats/char and learning rate]({CURVES})"]
     lines += ["", "Trained with:", "", "```", info.get("command", "aftgen train ..."), "```", ""]
     lines += ["Use it:", "", "```", 'aftgen sample --model PATH_OR_HUB_ID --prompt "..."', "```", ""]
     if sample:
@@ -64,4 +67,4 @@ def _metadata(base_model: dict) -> list[str]:
 def run_card(folder: Path, config: AFTConfig, sample: str = "") -> str:
     """The model card of the run in `folder`, from its training.json and metrics.jsonl (either may be absent)."""
     info, metrics = read_run_files(folder)
-    return model_card(config, info, metrics, sample)
+    return model_card(config, info, metrics, sample, curves=(folder / CURVES).is_file())

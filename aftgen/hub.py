@@ -23,6 +23,7 @@ from aftgen.checkpoint import (
     load_checkpoint,
 )
 from aftgen.corpus import read_text
+from aftgen.curves import CURVES
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM
 from aftgen.tokenizer import Tokenizer
@@ -89,7 +90,7 @@ def push(
         card = read_text(run_dir / CARD)  # a curated checkpoint (models/...): its own card
     else:
         card = run_card(run_dir, model.config, _card_sample(model, tokenizer))
-    files = [*CHECKPOINT_FILES, *([METRICS] if (run_dir / METRICS).is_file() else [])]
+    files = [*CHECKPOINT_FILES, *(name for name in (METRICS, CURVES) if (run_dir / name).is_file())]
     if include_training_state:
         missing = [name for name in (TRAINING_STATE, TRAINING_INFO) if not (run_dir / name).is_file()]
         if missing:

@@ -54,6 +54,7 @@ def test_wheel_ships_the_default_model(tmp_path, tiny_run):
     assert not any(name.startswith("models/") for name in shipped)
     packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "aftgen").rglob("__init__.py")}
     assert {f"{package}/__init__.py" for package in packages} <= shipped  # every subpackage
+    assert "aftgen/serve/playground.html" in shipped  # the page `aftgen serve` answers at /
 
     target = tmp_path / "installed"
     pip("install", "--no-deps", "--no-index", "--target", str(target), str(wheel), cwd=tmp_path)

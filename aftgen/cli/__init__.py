@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from aftgen.bench.cli import bench_app
-from aftgen.cli import evaluate, generate, hub, serve, train
+from aftgen.cli import evaluate, generate, hub, plot, serve, train
 from aftgen.cli.common import DEBUG_VARIABLE
 
 app = typer.Typer(
@@ -42,6 +42,7 @@ app.command()(generate.sample)
 app.command()(generate.prime)
 app.command()(generate.chat)
 app.command("eval")(evaluate.evaluate)
+app.command()(plot.plot)
 app.command()(hub.pull)
 app.command()(hub.push)
 app.command()(serve.serve)

@@ -29,6 +29,9 @@ def serve(
     api_key: Annotated[
         str | None, _server_option("Require 'Authorization: Bearer KEY'.", envvar="AFTGEN_API_KEY")
     ] = None,
+    webui: Annotated[
+        bool, _server_option("The playground page at / (chat, completion, sampling settings, streaming).")
+    ] = Defaults.webui,
     sessions_dir: Annotated[Path | None, _server_option("Save named sessions here (aftgen state files).")] = None,
     cache_mb: Annotated[float, _server_option("Prefix-state cache size (0: off).")] = Defaults.cache_mb,
     parallel: Annotated[int, _limit("Sequences generating at once (rows of the batched step).")] = Defaults.parallel,

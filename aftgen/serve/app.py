@@ -1,6 +1,7 @@
 """The HTTP side: OpenAI's routes on Starlette, over the engine's thread.
 
-GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions. Every error, ours or
+GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, and GET / (the playground
+page, unless --no-webui). Every error, ours or
 Starlette's (404, 405), is answered in OpenAI's shape. Streams are server-sent events in OpenAI's
 chunk format, ending with `data: [DONE]`; a client that goes away stops its generation at once.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.resources
 import json
 import secrets
 import time
@@ -17,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from aftgen.serve.engine import Busy, Engine
@@ -25,6 +27,10 @@ from aftgen.serve.replies import Reply
 from aftgen.serve.schema import APIError, parse_request
 from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket
 
+# The page may talk to this server only: its own inline script and style, nothing fetched from elsewhere.
+PLAYGROUND_POLICY = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src data:"
+)
 PARSE_ERROR = (
     "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP library "
     "correctly. The OpenAI API expects a JSON payload, but what was sent was not valid JSON.)"
@@ -78,6 +84,8 @@ class Server:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
         ]
+        if self.options.webui:
+            routes.append(Route("/", self.playground))
         handlers = {HTTPException: self.http_error, Exception: self.internal_error}
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
 
@@ -116,6 +124,11 @@ class Server:
         scheme, _, token = given.partition(b" ")
         if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), key.encode("utf-8")):
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    async def playground(self, request: Request) -> HTMLResponse:
+        """The playground page; it asks for the API key itself, so the page is served without one."""
+        page = importlib.resources.files("aftgen.serve").joinpath("playground.html").read_text(encoding="utf-8")
+        return HTMLResponse(page, headers={"Content-Security-Policy": PLAYGROUND_POLICY, "Cache-Control": "no-cache"})
 
     async def health(self, request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "model": self.model_name} | self.engine.stats())

@@ -16,6 +16,7 @@ class ServeOptions:
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000  # 0: any free port (the one chosen is printed)
     api_key: str | None = None  # when set, every /v1 route requires `Authorization: Bearer KEY`
+    webui: bool = True  # GET / answers the playground page
     parallel: int = 32  # sequences generating at once: rows of the batched step
     queue: int = 64  # requests waiting for a free row; past that: 503
     max_prompt_tokens: int = 8192  # per request

@@ -77,5 +77,6 @@ def serve(options: ServeOptions, placement: Placement) -> None:
     if options.api_key is None and not ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
         print("warning: listening beyond this machine without --api-key: anyone who can reach it can use the model",
               file=sys.stderr)  # fmt: skip
-    print(f"aftgen serve: {model_name(options.model)} at {url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    page = f", playground at {url}/" if options.webui else ""
+    print(f"aftgen serve: {model_name(options.model)} at {url}/v1{page} (Ctrl-C stops)", file=sys.stderr, flush=True)
     server.run(sockets=[sock])

@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from aftgen import data, distributed, evaluate
+from aftgen import curves, data, distributed, evaluate
 from aftgen.checkpoint import WEIGHTS, read_weights
 from aftgen.corpus import PreparedCorpus, prepare_corpus
 from aftgen.device import Compiled, Placement, resolve
@@ -144,6 +144,8 @@ def _start(
             log(f"note: trained so far by {run.saved_world_size} processes, now {world.size}: the global batch changes")
     if world.rank:  # own dropout masks per process (the model's initialisation above is the same everywhere)
         torch.manual_seed(options.seed + 1_000_003 * world.rank + training.step)
+    if run.curves is None and world.main:
+        log(curves.MISSING)
     run.description = describe_run(options, run, model, placement.describe(), world)
     batch = run.description["global_batch_size"]
     log(
@@ -308,6 +310,8 @@ def _final_save(
     improved = False
     if options.keep_best and run.world.main and not stopped_by and not last_checked:
         improved = run.is_best(training.step, _held_out_nats_per_char(options, corpus, training.published))
+    if run.curves:  # before the save, so that its model card shows them
+        run.curves.flush()
     run.save(training, corpus.tokenizer, training.elapsed, improved)
 
 

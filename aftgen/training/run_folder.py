@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from aftgen import curves
 from aftgen.card import model_card
 from aftgen.checkpoint import (
     TRAINING_INFO,
@@ -68,6 +69,7 @@ class RunFolder:
         self.description: dict = {}  # what training.json says besides the step
         self.recipe: dict | None = None  # what the recipe chose for a fresh run (recipe.py)
         self._saved_options: dict = {}
+        self.curves = curves.LiveCurves(self.path) if world.main and curves.available() else None
         self._refuse_mistakes()
         if options.resume:
             saved, _ = read_training_info(self.path)  # the state file alone describes the run
@@ -115,10 +117,12 @@ class RunFolder:
         self.saved_step = training.step
 
     def record(self, row: dict) -> bool:
-        """Add a held-out check to metrics.jsonl; whether it is the best so far."""
+        """Add a held-out check to metrics.jsonl (and redraw curves.png); whether it is the best so far."""
         self.metrics.append(row)
         if self.world.main:
             write_metrics(self.path, self.metrics)
+            if self.curves:
+                self.curves.checked(self.metrics)
         return self.is_best(row["step"], row["held_out_nats_per_char"])
 
     def is_best(self, step: int, held_out_nats_per_char: float) -> bool:
@@ -154,7 +158,7 @@ class RunFolder:
 
     def publish(self, model: AFTLM, tokenizer: Tokenizer, info: dict) -> None:
         """The Hub-shaped checkpoint: weights at the chosen precision, tokenizer, card, config."""
-        card = model_card(model.config, info, self.metrics)
+        card = model_card(model.config, info, self.metrics, curves=(self.path / curves.CURVES).is_file())
         save_checkpoint(self.path, model, tokenizer, card, self.options.weights_dtype)
 
     def finish(self, model: AFTLM, tokenizer: Tokenizer, step: int, elapsed: float, final_eval: dict) -> None:

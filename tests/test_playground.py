@@ -1,0 +1,198 @@
+"""The playground page of `aftgen serve`, driven in Debian's headless Chromium (Playwright's client, no
+downloaded browser) against real servers on 127.0.0.1 with a tiny model; one browser for the module."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from test_serve import KEY, busy_slots, client, running, wait_for
+
+CHROMIUM = "/usr/bin/chromium"
+# Nothing but the page under test: no sandbox (root in CI), no GPU, no background traffic of the browser's own.
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SAMPLING = {"temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}
+
+if not os.path.exists(CHROMIUM) and not os.environ.get("AFTGEN_REQUIRE_BROWSER"):  # .ci/run installs it and sets this
+    pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory) -> Iterator:
+    """Headless Chromium with a fresh profile (Playwright passes --headless and --user-data-dir itself)."""
+    from playwright.sync_api import sync_playwright
+
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    with sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            profile, executable_path=CHROMIUM, headless=True, args=FLAGS
+        )
+        context.set_default_timeout(30_000)
+        yield context
+        context.close()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def open_url(tiny_run) -> Iterator[str]:
+    with running(tiny_run, api_key=None) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def keyed_url(tiny_run) -> Iterator[str]:
+    with running(tiny_run) as url:
+        yield url
+
+
+class Playground:
+    """One page of the playground, with every request it makes recorded."""
+
+    def __init__(self, browser, url: str):
+        self.url, self.page, self.requests = url, browser.new_page(), []
+        self.page.on("request", lambda request: self.requests.append(request))
+        self.page.goto(f"{url}/")
+
+    def settings(self, **values) -> None:
+        for name, value in values.items():
+            self.page.fill(f"#{name}", str(value))
+
+    def send(self, text: str) -> None:
+        self.page.fill("#input", text)
+        self.page.press("#input", "Enter")
+
+    def reply(self, state: str = "done", index: int = -1) -> str:
+        """The text of a reply (the last one by default) once it reaches `state`."""
+        self.page.wait_for_function(
+            "([i, s]) => { const r = [...document.querySelectorAll('.reply')].at(i); return r && r.dataset.state === s; }",
+            arg=[index, state],
+        )
+        return self.page.locator(".reply .text").nth(index).text_content()
+
+    def generations(self) -> list:
+        return [r for r in self.requests if r.method == "POST" and "/v1/" in r.url]
+
+    def close(self) -> None:
+        self.page.close()
+
+
+@pytest.fixture
+def playground(browser, open_url) -> Iterator[Playground]:
+    page = Playground(browser, open_url)
+    yield page
+    page.close()
+
+
+def test_text_streams_in_and_the_page_asks_nothing_of_anyone_but_the_server(playground, open_url):
+    page = playground.page
+    page.click("#tab-completion")
+    playground.settings(max_tokens=300)
+    # The length of the reply's text at every DOM update while it streams.
+    page.evaluate("""() => {
+        window.lengths = [];
+        new MutationObserver(() => {
+            const reply = document.querySelector('.reply');
+            if (reply && reply.dataset.state === 'streaming') window.lengths.push(reply.querySelector('.text').textContent.length);
+        }).observe(document.getElementById('log'), {childList: true, subtree: true, characterData: true});
+    }""")
+    page.fill("#input", "ROMEO:")
+    page.press("#input", "Shift+Enter")  # a new line, not a request
+    assert page.input_value("#input") == "ROMEO:\n" and not playground.generations()
+    page.press("#input", "Enter")
+    text = playground.reply()
+    assert json.loads(playground.generations()[0].post_data)["prompt"] == "ROMEO:\n"
+    lengths = page.evaluate("window.lengths")
+    assert len({n for n in lengths if 0 < n < len(text)}) > 1  # several partial texts shown before the end
+    figures = page.text_content(".reply .figures")
+    assert figures.startswith("300 tokens · ") and "tokens/s" in figures and "cached prompt tokens" in figures
+    assert playground.requests and all(r.url.startswith(f"{open_url}/") for r in playground.requests)
+    assert {r.url.removeprefix(open_url) for r in playground.requests} == {"/", "/v1/models", "/v1/completions"}
+
+
+def test_stop_cancels_the_stream_and_the_server_frees_its_row(playground, open_url):
+    playground.settings(max_tokens=20_000)
+    playground.page.click("#tab-completion")
+    playground.send("JULIET:")
+    playground.page.wait_for_function("() => document.querySelector('.reply .text').textContent.length > 20")
+    playground.page.click("#stop")
+    playground.reply(state="stopped")
+    wait_for(lambda: busy_slots(open_url) == 0)
+    assert playground.page.is_enabled("#send") and not playground.page.is_enabled("#stop")
+
+
+def test_temperature_and_seed_give_the_text_the_api_gives(playground, open_url):
+    playground.page.click("#tab-completion")
+    playground.settings(temperature=0.7, seed=1234, max_tokens=40)
+    playground.send("KING:")
+    shown = playground.reply()
+    (sent,) = playground.generations()
+    body = json.loads(sent.post_data)
+    assert body["prompt"] == "KING:" and body["temperature"] == 0.7 and body["seed"] == 1234
+    sampling = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}  # the page's other settings, at their defaults
+    api = client(open_url).completions.create(
+        model="tiny", prompt="KING:", max_tokens=40, temperature=0.7, top_p=1.0, seed=1234, extra_body=sampling
+    )
+    assert shown == api.choices[0].text and shown
+
+
+def test_a_named_session_continues_on_the_server(playground, open_url):
+    playground.settings(session="play", seed=7, max_tokens=15)
+    playground.send("Hello there.")
+    first = playground.reply()
+    playground.send("And then?")
+    second = playground.reply()
+    bodies = [json.loads(request.post_data) for request in playground.generations()]
+    assert [body["messages"] for body in bodies] == [
+        [{"role": "user", "content": "Hello there."}],
+        [{"role": "user", "content": "And then?"}],  # the session holds the rest: only the new message goes
+    ]
+    assert all(body["session"] == "play" for body in bodies)
+    replayed = []  # the same two requests in a new session, from the API
+    for body in bodies:
+        body |= {"session": "replay", "stream": False}
+        body.pop("stream_options")
+        answer = httpx.post(f"{open_url}/v1/chat/completions", json=body, timeout=60).json()
+        replayed.append(answer["choices"][0]["message"]["content"])
+    assert replayed == [first, second]
+    playground.page.click("#reset")
+    assert playground.page.locator(".reply").count() == 0
+    assert playground.page.input_value("#session").startswith("play-r")
+
+
+def test_with_an_api_key_the_page_asks_for_it_and_generates_nothing_until_given(browser, keyed_url):
+    playground = Playground(browser, keyed_url)
+    page = playground.page
+    page.wait_for_selector("#keybox.needed")
+    playground.send("ROMEO:")
+    assert "API key" in page.text_content("#notice")
+    assert page.locator(".reply").count() == 0 and not playground.generations()
+    page.fill("#key", KEY)
+    page.press("#key", "Tab")  # the change event: the page checks the key with the server
+    page.wait_for_selector("#keybox:not(.needed)")
+    playground.settings(max_tokens=10)
+    playground.send("ROMEO:")
+    assert playground.reply() is not None
+    (sent,) = playground.generations()
+    assert sent.headers["authorization"] == f"Bearer {KEY}"
+    assert all(request.url.startswith(f"{keyed_url}/") for request in playground.requests)
+    playground.close()
+
+
+def test_the_page_is_served_as_html_for_this_server_only_and_no_webui_turns_it_off(tiny_run, open_url):
+    page = httpx.get(f"{open_url}/", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "connect-src 'self'" in page.headers["content-security-policy"]
+    with running(tiny_run, api_key=None, webui=False) as url:
+        assert httpx.get(f"{url}/", timeout=10).status_code == 404
