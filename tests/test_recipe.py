@@ -44,8 +44,9 @@ def test_the_default_budget_on_shakespeare_trains_the_small_model_heavily_regula
     assert chosen.steps >= recipe.MIN_STEPS and chosen.optimizer == "adamw"
 
 
-def test_a_short_run_uses_muon():
-    assert choose(SHAKESPEARE, 1024, max_time=120, max_steps=None, speed=speeds(CPU)).optimizer == "muon"
+def test_a_run_that_reads_its_text_a_few_times_is_not_regularised():
+    chosen = choose(SHAKESPEARE, 1024, max_time=120, max_steps=None, speed=speeds(CPU))
+    assert chosen.passes < 8 and chosen.dropout == 0.0 and chosen.ema == 0.0 and chosen.keep_best
 
 
 def test_a_larger_corpus_and_budget_train_a_larger_model():
@@ -136,5 +137,5 @@ def test_resume_goes_on_with_the_recipe_it_started_with(tmp_path, corpus, one_th
 def test_the_shipped_models_schedule_is_the_recipes():
     """make default-model gives only what the recipe would not choose (Makefile): the rest is the recipe's."""
     chosen = choose(360_000, 1536, max_time=None, max_steps=2400, speed=speeds({}), presets=("medium",))
-    assert (chosen.lr, chosen.weight_decay, chosen.ema, chosen.eval_interval) == (1.5e-3, 0.3, 0.995, 100)
+    assert (chosen.lr, chosen.ema, chosen.eval_interval) == (1.5e-3, 0.995, 100)
     assert chosen.keep_best and chosen.patience == 3 and chosen.optimizer == "adamw"

@@ -24,6 +24,7 @@ from aftgen.corpus import PreparedCorpus, prepare_corpus
 from aftgen.device import Compiled, Placement, resolve
 from aftgen.distributed import World
 from aftgen.errors import AftgenError
+from aftgen.mixers import fixed_size_state
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.tokenizer import Tokenizer
 from aftgen.training import probe, recipe
@@ -101,13 +102,14 @@ def _settle(options, run: RunFolder, corpus: PreparedCorpus, base, placement: Pl
         plan = probe.plan(options, len(corpus.train_ids), vocab_size, placement) if world.main else None
         shared = world.share_bytes(json.dumps(plan.to_dict()).encode() if plan else None)
         plan = recipe.Recipe(**json.loads(shared))
-        log(plan.describe(corpus.summary["chars"]))
         chosen = {name: getattr(plan, name) for name in RECIPE_FIELDS}
         if options.keep_best is False:
             chosen["patience"] = 0  # early stopping publishes the best weights: none without them
         options = replace(options, dtype=plan.dtype)
         options.fill(chosen)
         run.recipe = plan.to_dict()
+        given = replace(plan, dtype=options.dtype, **{name: getattr(options, name) for name in RECIPE_FIELDS})
+        log(given.describe(corpus.summary["chars"]))  # what will run: the recipe, with the user's options
     options.check()
     run.settle(options, base.config if base else None)
     placement = resolve(placement.device, options.dtype)
@@ -324,9 +326,9 @@ def _finish(options: TrainOptions, run: RunFolder, corpus: PreparedCorpus, train
         best = run.best
         score = best["held_out_nats_per_char"]
         log(f"keeping the weights of step {best['step']} (quick held-out {score:.4f} nats/char)")
-    # Attention's KV cache grows with the stream (quadratic time to read it) and its RoPE positions
-    # are untrained past the training length, so attention runs are scored in windows of that length.
-    reset_every = model.config.context_length if model.config.mixer == "attention" else 0
+    # A growing state (attention's KV cache: quadratic time, RoPE untrained past the training length)
+    # is scored in windows of the training length.
+    reset_every = 0 if fixed_size_state(model.config.mixer) else model.config.context_length
     final = evaluate.evaluate_ids(model, corpus.held_out_ids, corpus.held_out_chars, corpus.held_out_bytes, reset_every)
     run.finish(model, corpus.tokenizer, training.step, training.elapsed, final.to_dict() | {"reset_every": reset_every})
     log(
