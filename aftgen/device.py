@@ -95,6 +95,12 @@ def resolve(device: str | torch.device = "auto", dtype: str = "auto", local_rank
     return placement
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so that a clock read after it counts that work (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def physical_cores() -> int:
     """Physical cores this process may run on (hyperthread siblings counted once)."""
     if not hasattr(os, "sched_getaffinity"):  # macOS (no hyperthreads on Apple silicon), Windows

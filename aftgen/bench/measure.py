@@ -15,16 +15,11 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
+from aftgen.device import synchronize
 from aftgen.model import AFTLM, PrefillFunction, StepFunction, clone_state, tokens_read
 
 Timer = tuple[Callable[[], object], int, int]  # (one call, calls per round, tokens per call)
 Result = TypeVar("Result")
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the GPU's queued work, so that a clock read after it counts that work (no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def memory_mb(pid: int | str | torch.device = "self") -> tuple[float, float]:

@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from aftgen.device import DTYPES, Placement
+from aftgen.device import DTYPES, Placement, synchronize
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.training import recipe
 from aftgen.training.options import MODEL_FIELDS, TrainOptions
@@ -35,17 +35,12 @@ def tokens_per_s(config: AFTConfig, batch_size: int, placement: Placement, steps
 
         for _ in range(WARM_UP_STEPS):
             step()
-        _synchronize(placement)
+        synchronize(placement.device)
         start = time.perf_counter()
         for _ in range(steps):
             step()
-        _synchronize(placement)
+        synchronize(placement.device)
         return steps * batch_size * config.context_length / (time.perf_counter() - start)
-
-
-def _synchronize(placement: Placement) -> None:
-    if placement.device.type == "cuda":
-        torch.cuda.synchronize(placement.device)
 
 
 def plan(options: TrainOptions, train_tokens: int, vocab_size: int, placement: Placement) -> recipe.Recipe:
