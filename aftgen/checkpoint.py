@@ -191,6 +191,9 @@ def save_training_state(
             tensors[f"optimizer.{index}.{key}"] = torch.as_tensor(value).float().contiguous()
     tensors["rng.torch"] = torch.get_rng_state()
     tensors["rng.data"] = generator.get_state()
+    device = next(model.parameters()).device
+    if device.type == "cuda":  # dropout on a GPU draws from the GPU's own generator
+        tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": g["params"]} for g in opt["param_groups"]]
     metadata = {"info": json.dumps(info), "param_groups": json.dumps(groups)}
     atomic_write(folder / TRAINING_STATE, save_safetensors(tensors, metadata=metadata))
@@ -232,6 +235,9 @@ def load_training_state(
         optimizer.load_state_dict({"state": state, "param_groups": groups})
         torch.set_rng_state(tensors["rng.torch"])
         generator.set_state(tensors["rng.data"])
+        device = next(model.parameters()).device
+        if device.type == "cuda" and "rng.cuda" in tensors:
+            torch.cuda.set_rng_state(tensors["rng.cuda"], device)
     except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise _bad_training_state(path, exc) from None
     return info

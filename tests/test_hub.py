@@ -28,6 +28,7 @@ def hub_env(hub: FakeHub, home: Path, **extra: str) -> dict[str, str]:
     env.update(
         HF_ENDPOINT=hub.url, HF_HOME=str(home), HF_TOKEN=TOKEN, HF_HUB_DISABLE_PROGRESS_BARS="1",
         HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_XET="1",  # the fake Hub takes LFS uploads, not Xet
+        NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost",  # the fake Hub is local, whatever proxy is set
     )  # fmt: skip
     return env | extra
 
