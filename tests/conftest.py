@@ -101,20 +101,4 @@ def train_tiny(corpus: Path, out: Path, on_eval=None, **changes) -> Path:
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, corpus) -> Path:
     """A tiny model trained for a few steps: enough to exercise every code path quickly."""
-    from aftgen.training import TrainOptions, train
-
-    out = tmp_path_factory.mktemp("runs") / "tiny"
-    train(
-        TrainOptions(
-            corpus=corpus,
-            out=out,
-            preset="tiny",
-            max_steps=40,
-            eval_interval=20,
-            vocab_size=400,
-            device=DEVICE,
-            dtype="fp32",
-        ),
-        quiet=True,
-    )
-    return out
+    return train_tiny(corpus, tmp_path_factory.mktemp("runs") / "tiny", max_steps=40, eval_interval=20)

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.cpu  # torchrun over gloo, CPU autocast, CPU threads: t
 # fp32, not a measured dtype; AdamW, since Muon's bf16 Newton-Schulz turns the processes' different order
 # of summing gradients into differences of 1e-4; a warmup past the last step, so the schedule of a 3-step
 # run that is then resumed to 6 steps matches a 6-step run's.
-TRAIN = ["--preset", "tiny", "--vocab-size", "400", "--eval-interval", "3", "--threads", "1", "--device", "cpu", "--dtype",
-         "fp32", "--optimizer", "adamw", "--warmup-steps", "6"]  # fmt: skip
+TRAIN = ["--preset", "tiny", "--vocab-size", "400", "--eval-interval", "3", "--threads", "1", "--device", "cpu",
+         "--dtype", "fp32", "--optimizer", "adamw", "--warmup-steps", "6"]  # fmt: skip
 GLOBAL_BATCH = 8
 
 

@@ -76,7 +76,8 @@ class Playground:
     def reply(self, state: str = "done", index: int = -1) -> str:
         """The text of a reply (the last one by default) once it reaches `state`."""
         self.page.wait_for_function(
-            "([i, s]) => { const r = [...document.querySelectorAll('.reply')].at(i); return r && r.dataset.state === s; }",
+            "([i, s]) => { const r = [...document.querySelectorAll('.reply')].at(i);"
+            " return r && r.dataset.state === s; }",
             arg=[index, state],
         )
         return self.page.locator(".reply .text").nth(index).text_content()
@@ -104,7 +105,8 @@ def test_text_streams_in_and_the_page_asks_nothing_of_anyone_but_the_server(play
         window.lengths = [];
         new MutationObserver(() => {
             const reply = document.querySelector('.reply');
-            if (reply && reply.dataset.state === 'streaming') window.lengths.push(reply.querySelector('.text').textContent.length);
+            if (reply && reply.dataset.state === 'streaming')
+                window.lengths.push(reply.querySelector('.text').textContent.length);
         }).observe(document.getElementById('log'), {childList: true, subtree: true, characterData: true});
     }""")
     page.fill("#input", "ROMEO:")

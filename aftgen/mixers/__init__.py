@@ -17,9 +17,20 @@ from aftgen.mixers.protocol import Mixer, MixerState
 if TYPE_CHECKING:
     from aftgen.model import AFTConfig
 
-MIXERS = ("aft_local", "aft_simple", "aft_full", "attention")
+KINDS: dict[str, type] = {
+    "aft_local": AFTMixer,
+    "aft_simple": AFTMixer,
+    "aft_full": AFTMixer,
+    "attention": AttentionMixer,
+}
+MIXERS = tuple(KINDS)
 
-__all__ = ["MIXERS", "AFTMixer", "AttentionMixer", "Mixer", "MixerState", "make_mixer"]
+__all__ = ["MIXERS", "AFTMixer", "AttentionMixer", "Mixer", "MixerState", "fixed_size_state", "make_mixer"]
+
+
+def fixed_size_state(mixer: str) -> bool:
+    """Whether mixer `mixer`'s state keeps one size however long the stream (Mixer.fixed_size_state)."""
+    return KINDS[mixer].fixed_size_state
 
 
 def make_mixer(config: AFTConfig) -> Mixer:

@@ -226,6 +226,7 @@ class AFTMixer(torch.nn.Module):
     """
 
     no_weight_decay = ("w", "decay_logit")  # position biases and decays: not matrices to shrink
+    fixed_size_state = True  # the last s keys and values, and the sums over everything older
 
     def __init__(self, n_embd: int, n_head: int, window: int, context_length: int, decay: bool, chunk: int = 32):
         super().__init__()

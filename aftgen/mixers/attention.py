@@ -56,6 +56,7 @@ class AttentionMixer(torch.nn.Module):
     """Causal multi-head softmax attention (torch's scaled_dot_product_attention) with RoPE and a KV cache."""
 
     no_weight_decay = ()
+    fixed_size_state = False  # a KV cache grows with the stream, and RoPE is untrained past the training length
 
     def __init__(self, n_embd: int, n_head: int):
         super().__init__()

@@ -14,6 +14,9 @@ class Mixer(Protocol):
 
     # Names of parameters AdamW must not decay (position biases, decays): matrices are decayed, the rest not.
     no_weight_decay: tuple[str, ...]
+    # Whether the state keeps one size however long the stream: the server can then batch states of
+    # different lengths, and a stream can be read past the training length.
+    fixed_size_state: bool
 
     def forward(
         self, x: torch.Tensor, state: MixerState | None = None, return_state: bool = False, last_only: bool = False

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from aftgen.mixers import fixed_size_state
 from aftgen.model import AFTLM, ModelState
 
 
@@ -27,8 +28,8 @@ class Batch:
     """
 
     def __init__(self, model: AFTLM, capacity: int):
-        if model.config.mixer == "attention":
-            raise ValueError("only AFT mixers have a fixed-size state to batch")
+        if not fixed_size_state(model.config.mixer):
+            raise ValueError(f"a {model.config.mixer} mixer has no fixed-size state to batch")
         self.model, self.capacity = model, capacity
         # Untouched memory: pages become resident only as rows are first used.
         self.buffers = [

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from aftgen.device import Placement
 from aftgen.errors import AftgenError
+from aftgen.mixers import fixed_size_state
 from aftgen.serve.options import ServeOptions
 
 if TYPE_CHECKING:
@@ -55,8 +56,10 @@ def prepare(options: ServeOptions, placement: Placement) -> tuple[uvicorn.Server
     from aftgen.serve.protocol import with_read_timeout
 
     model, tokenizer = load(options.model, placement.device)
-    if model.config.mixer == "attention":
-        raise AftgenError("aftgen serve batches fixed-size AFT states; an attention model's KV cache cannot be batched")
+    if not fixed_size_state(model.config.mixer):
+        raise AftgenError(
+            f"aftgen serve batches fixed-size states; a {model.config.mixer} model's state grows with its stream"
+        )
     model.eval()
     engine = Engine(model, tokenizer, options, placement)
     app = Server(engine, model_name(options.model)).app()
