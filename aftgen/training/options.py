@@ -27,8 +27,9 @@ RECIPE_FIELDS = ("preset", "optimizer", "dropout", "weight_decay", "ema", "lr", 
                  "eval_windows", "keep_best", "patience", "max_time")  # fmt: skip
 # Fine-tuning keeps its own defaults (nanoGPT's finetune_shakespeare: a lower learning rate, a short
 # warmup, only the best weights kept): a base model is a few steps from useful, so it is checked often.
-FINE_TUNE_DEFAULTS = {"lr": 1e-3, "warmup_steps": 5, "eval_interval": 50, "eval_windows": EVAL_WINDOWS, "keep_best": True,
-                      "optimizer": "adamw", "weight_decay": 0.1, "ema": 0.0, "patience": 0}  # fmt: skip
+FINE_TUNE_DEFAULTS = {"lr": 1e-3, "warmup_steps": 5, "eval_interval": 50, "eval_windows": EVAL_WINDOWS,
+                      "keep_best": True, "optimizer": "adamw", "weight_decay": 0.1, "ema": 0.0,
+                      "patience": 0}  # fmt: skip
 FINE_TUNE_STEPS = 5000  # a fine-tuning run's budget when it is given none
 FRESH_ONLY = {"preset": "small", "vocab_size": 1024, "tokenizer_type": "bpe"}  # fine-tuning takes the base's
 
