@@ -90,6 +90,12 @@ def test_one_size_and_a_budget_in_steps_need_no_measurement():
     assert chosen.tokens_per_s is None and chosen.steps == 3000
 
 
+def test_passes_count_the_steps_the_user_sized():
+    quarter = recipe.tokens_per_step("small") // 4  # e.g. --context-length 32 on the small preset
+    chosen = choose(SHAKESPEARE, 1024, None, 3000, speeds({}), presets=("small",), step_tokens=lambda _: quarter)
+    assert chosen.passes == pytest.approx(3000 * quarter / SHAKESPEARE, rel=0.01)
+
+
 def test_a_named_preset_is_kept():
     chosen = choose(SHAKESPEARE, 1024, max_time=None, max_steps=None, speed=speeds(CPU), presets=("small",))
     assert chosen.preset == "small"

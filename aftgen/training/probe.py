@@ -4,6 +4,7 @@ timed (the recipe's measure of the machine)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -17,22 +18,30 @@ from aftgen.training.options import MODEL_FIELDS, TrainOptions
 WARM_UP_STEPS, TIMED_STEPS = 2, 3
 
 
+def training_step(model: AFTLM, batch: int, length: int, autocast: Callable) -> Callable[[], None]:
+    """One AdamW step on a fixed batch of random tokens, to time: the forward pass under `autocast`, the
+    backward outside it, as training runs them (a backward under autocast recasts the gradients of the
+    mixer's fp32 sums to bf16 on a GPU, and fails there)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, model.config.vocab_size, (batch, length + 1), device=model.embed.weight.device)
+
+    def step() -> None:
+        with autocast():
+            logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
 def tokens_per_s(config: AFTConfig, batch_size: int, placement: Placement, steps: int = TIMED_STEPS) -> float:
     """Training tokens/s of a model of `config` at `batch_size` (AdamW, autocast as placed), measured
     after WARM_UP_STEPS steps; the model is thrown away afterwards, and torch's random state is kept."""
     with torch.random.fork_rng(devices=[placement.device] if placement.device.type == "cuda" else []):
         model = AFTLM(config).to(placement.device).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        ids = torch.randint(0, config.vocab_size, (batch_size, config.context_length + 1), device=placement.device)
-
-        def step() -> None:
-            with placement.autocast():
-                logits = model(ids[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-
+        step = training_step(model, batch_size, config.context_length, placement.autocast)
         for _ in range(WARM_UP_STEPS):
             step()
         synchronize(placement.device)
@@ -53,7 +62,13 @@ def plan(options: TrainOptions, train_tokens: int, vocab_size: int, placement: P
     def speed(preset: str) -> float:
         return tokens_per_s(*_model(options, preset, vocab_size), chosen)
 
-    return recipe.choose(train_tokens, vocab_size, options.max_time, options.max_steps, speed, presets, dtype)
+    def step_tokens(preset: str) -> int:
+        config, batch_size = _model(options, preset, vocab_size)
+        return batch_size * config.context_length
+
+    return recipe.choose(
+        train_tokens, vocab_size, options.max_time, options.max_steps, speed, presets, dtype, step_tokens
+    )
 
 
 def _dtype(options: TrainOptions, preset: str, vocab_size: int, placement: Placement) -> str:

@@ -120,28 +120,35 @@ def choose(
     speed: Callable[[str], float],
     presets: tuple[str, ...] = CANDIDATES,
     dtype: str = "fp32",
+    step_tokens: Callable[[str], int] = tokens_per_step,
 ) -> Recipe:
     """The recipe for `train_tokens` of training text within the budget.
 
     `speed(preset)` measures tokens/s of a preset on this machine (smallest preset first, and not
     beyond the first that is too slow; not at all for one preset and a budget in steps). `presets`
-    are the sizes to choose among (one, when the user named it).
+    are the sizes to choose among (one, when the user named it); `step_tokens(preset)` the tokens of
+    one of its steps (its batch and context length, or the user's).
     """
     if max_time is None and max_steps is None:
         max_time = DEFAULT_BUDGET
     # A budget in steps alone still compares sizes by time: a larger one must be trained enough within
     # the default budget's time, so that --max-steps on a slow machine does not choose a size it cannot afford.
     within = max_time if max_time is not None else DEFAULT_BUDGET
+
+    def worth_it(preset: str, tokens_per_s: float | None) -> bool:
+        per_step = step_tokens(preset)
+        return _worth_it(preset, _steps(per_step, within, max_steps, tokens_per_s), per_step, train_tokens, vocab_size)
+
     chosen, rate = presets[0], None
     for index, preset in enumerate(presets):
-        if index and not _worth_it(preset, _steps(preset, within, max_steps, rate), train_tokens, vocab_size):
+        if index and not worth_it(preset, rate):
             break  # not trained enough even at the smaller size's speed: no need to measure it
         measured = speed(preset) if max_time is not None or len(presets) > 1 else None
-        if index and not _worth_it(preset, _steps(preset, within, max_steps, measured), train_tokens, vocab_size):
+        if index and not worth_it(preset, measured):
             break
         chosen, rate = preset, measured
-    steps = _steps(chosen, max_time, max_steps, rate)
-    passes = steps * tokens_per_step(chosen) / max(train_tokens, 1)
+    steps = _steps(step_tokens(chosen), max_time, max_steps, rate)
+    passes = steps * step_tokens(chosen) / max(train_tokens, 1)
     regularisation = next(row for row in REGULARISATION if passes <= row.passes)
     warmup = round(min(MAX_WARMUP, max(MIN_WARMUP, WARMUP_FRACTION * steps)))
     return Recipe(
@@ -165,17 +172,17 @@ def choose(
     )
 
 
-def _steps(preset: str, max_time: float | None, max_steps: int | None, tokens_per_s: float | None) -> int:
-    """Steps a preset makes within the budget (the first of the two limits to run out)."""
-    by_time = math.inf if max_time is None else max_time * tokens_per_s / tokens_per_step(preset)
+def _steps(per_step: int, max_time: float | None, max_steps: int | None, tokens_per_s: float | None) -> int:
+    """Steps of `per_step` tokens made within the budget (the first of the two limits to run out)."""
+    by_time = math.inf if max_time is None else max_time * tokens_per_s / per_step
     return int(min(by_time, max_steps or math.inf))
 
 
-def _worth_it(preset: str, steps: int, train_tokens: int, vocab_size: int) -> bool:
+def _worth_it(preset: str, steps: int, per_step: int, train_tokens: int, vocab_size: int) -> bool:
     """Whether a larger preset has the text to learn from, and is trained enough within the budget, to beat
     the smaller one."""
     size = parameters(preset, vocab_size)
-    seen = steps * tokens_per_step(preset)
+    seen = steps * per_step
     enough = min(ENOUGH_PASSES * train_tokens, ENOUGH_TOKENS_PER_PARAMETER * size)
     return train_tokens >= MIN_TOKENS_PER_PARAMETER * size and steps >= MIN_STEPS and seen >= enough
 
