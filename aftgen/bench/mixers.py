@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from aftgen.bench.measure import fastest_side_by_side, in_fresh_process, memory_mb, read_until, step_timer
 from aftgen.bench.targets import TARGETS, Row
@@ -18,6 +17,7 @@ from aftgen.device import synchronize
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, AFTConfig, compile_step
 from aftgen.sampling import PROMPT_CHUNK
+from aftgen.training.probe import training_step
 
 BASELINE = "attention"
 TRAIN_LENGTHS = (256, 1024, 4096)
@@ -46,7 +46,7 @@ def probe(
     placement = resolve(device, dtype)
     batch = max(1, TOKENS_PER_STEP // length)
     model = comparison_model(mixer, length).to(placement.device).train()
-    pass_of = _train_step if kind == "train" else _mixer_pass
+    pass_of = training_step if kind == "train" else _mixer_pass
     run = pass_of(model, batch, length, placement.autocast)
     resting, _ = memory_mb(placement.device)
     for _ in range(WARM_UP_STEPS):  # first-call allocations, the optimiser's moments, the allocator's pools
@@ -61,23 +61,6 @@ def probe(
     best = min(times)  # the least disturbed run: other processes only ever add time
     peak = memory_mb(placement.device)[1] - resting
     return {"seconds": best, "tokens_per_s": batch * length / best, "peak_mb": peak, "batch": batch}
-
-
-# The forward pass under autocast, the backward outside it, as training runs them: a backward under
-# autocast recasts the gradients of the mixer's fp32 sums to bf16 on a GPU, and fails there.
-def _train_step(model: AFTLM, batch: int, length: int, autocast: Callable) -> Callable[[], None]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, model.config.vocab_size, (batch, length + 1), device=model.embed.weight.device)
-
-    def run() -> None:
-        with autocast():
-            logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    return run
 
 
 def _mixer_pass(model: AFTLM, batch: int, length: int, autocast: Callable) -> Callable[[], None]:
