@@ -108,7 +108,7 @@ def _settle(options, run: RunFolder, corpus: PreparedCorpus, base, placement: Pl
         options = replace(options, dtype=plan.dtype)
         options.fill(chosen)
         run.recipe = plan.to_dict()
-        given = replace(plan, dtype=options.dtype, **{name: getattr(options, name) for name in RECIPE_FIELDS})
+        given = replace(plan, **{name: getattr(options, name) for name in RECIPE_FIELDS})
         log(given.describe(corpus.summary["chars"]))  # what will run: the recipe, with the user's options
     options.check()
     run.settle(options, base.config if base else None)

@@ -94,9 +94,8 @@ class TrainOptions:
             self.fill(FINE_TUNE_DEFAULTS)
             if self.max_time is None and self.max_steps is None:
                 self.max_steps = FINE_TUNE_STEPS
-        for name in ("vocab_size", "tokenizer_type"):
-            if getattr(self, name) is None and not self.init_from:
-                setattr(self, name, FRESH_ONLY[name])
+        else:
+            self.fill({name: FRESH_ONLY[name] for name in ("vocab_size", "tokenizer_type")})
 
     def fill(self, values: dict) -> None:
         """Set the options the user did not give (None) from `values`."""

@@ -85,8 +85,8 @@ class RunFolder:
     def resumed_options(self, options: TrainOptions) -> TrainOptions:
         """`options` with what the user did not give taken from the run's record: a resumed run goes on
         with the recipe (or fine-tuning defaults) it started with, not a new choice."""
-        options = replace(options, dtype=self._saved_options.get("dtype", "auto") if options.dtype == "auto" else
-                          options.dtype)  # fmt: skip
+        dtype = self._saved_options.get("dtype", "auto") if options.dtype == "auto" else options.dtype
+        options = replace(options, dtype=dtype)
         options.fill(
             {name: self._saved_options.get(name) for name in (*RECIPE_FIELDS, *FINE_TUNE_DEFAULTS, "max_steps")}
         )
