@@ -233,6 +233,18 @@ def test_run_folder_alone_refuses_mistakes_and_keeps_the_best_check(tmp_path, co
     assert clock.progress(step=80, elapsed=5.0) == 0.8  # the steps do
 
 
+def test_muon_without_torch_optim_muon_is_one_error(tiny_run, monkeypatch):
+    from aftgen.checkpoint import load_checkpoint
+    from aftgen.errors import AftgenError
+    from aftgen.training.optimizer import make_optimizer
+    from aftgen.training.options import TrainOptions
+
+    model, _ = load_checkpoint(tiny_run)
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(AftgenError, match="--optimizer muon needs torch.optim.Muon"):
+        make_optimizer(model, TrainOptions(corpus="x", optimizer="muon", lr=1e-3, weight_decay=0.1))
+
+
 def test_muon_steps_the_block_matrices_and_adamw_the_rest(tiny_run):
     from aftgen.checkpoint import load_checkpoint
     from aftgen.training.optimizer import make_optimizer

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from aftgen.errors import AftgenError
 from aftgen.model import AFTLM
 from aftgen.training.options import TrainOptions
 
@@ -18,6 +19,8 @@ def make_optimizer(model: AFTLM, options: TrainOptions) -> torch.optim.Optimizer
     optimizer "muon", Muon for the blocks' matrices and AdamW for the rest (the embedding too)."""
     decayed, others = model.decayed_parameters()
     if options.optimizer == "muon":
+        if not hasattr(torch.optim, "Muon"):
+            raise AftgenError(f"--optimizer muon needs torch.optim.Muon (torch 2.9 or newer, not {torch.__version__})")
         embedding = model.embed.weight
         matrices = [p for p in decayed if p is not embedding]
         adamw = [{"params": [embedding], "weight_decay": options.weight_decay}, {"params": others, "weight_decay": 0.0}]
