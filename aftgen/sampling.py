@@ -6,7 +6,7 @@ top-p (nucleus), min-p, repeat penalty over the last n tokens, stop strings.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,37 +19,142 @@ MAX_REPEAT_LAST_N = 1024  # a context keeps this many recent tokens for the repe
 PROMPT_CHUNK = 1024  # tokens read per parallel pass: long texts go in chunks, in constant memory
 
 
-@dataclass
+@dataclass(frozen=True)
+class Range:
+    """The values a control allows: between `low` and `high` (None: unbounded), each end open or closed."""
+
+    low: float
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.open_low else value >= self.low
+        below = self.high is None or (value < self.high if self.open_high else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.open_low else '>='} {_number(self.low)}"
+        low, high = _number(self.low), _number(self.high)
+        return f"in {'(' if self.open_low else '['}{low}, {high}{')' if self.open_high else ']'}"
+
+
+def _number(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+@dataclass(frozen=True)
+class Control:
+    """A sampling control: its default (whose type is the control's), range and help, and its filter.
+
+    `aftgen sample` and `aftgen chat` take each one in CONTROLS as an option, the server as a request
+    field, SamplingOptions as a keyword; the engine draws rows together only when they agree on all.
+    """
+
+    default: float
+    range: Range
+    help: str
+    # (B, V) logits and the control's value -> logits; None: read with each row's history (the repeat penalty)
+    filter: Callable[[torch.Tensor, float], torch.Tensor] | None = None
+
+    @property
+    def type(self) -> type:
+        return type(self.default)
+
+
+def divide_by_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits.float() / temperature  # 0 (greedy) never gets here: choose() takes the argmax first
+
+
+def keep_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    if not top_k or top_k >= logits.shape[-1]:
+        return logits
+    kept = torch.topk(logits, top_k, dim=-1).indices  # exactly k, ties broken by topk
+    return torch.full_like(logits, float("-inf")).scatter(-1, kept, logits.gather(-1, kept))
+
+
+def keep_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    # Keep the smallest set whose probability reaches top_p: a token goes if the ones before it already do.
+    before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
+    drop_sorted = before >= top_p
+    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+
+
+def keep_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    if min_p <= 0:
+        return logits
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
+
+
+# Every sampling control, by name; the filters run in this order (temperature first).
+CONTROLS: dict[str, Control] = {
+    "temperature": Control(0.8, Range(0, 2), "0: greedy.", divide_by_temperature),
+    "top_k": Control(0, Range(0), "Keep the k likeliest tokens (0: off).", keep_top_k),
+    "top_p": Control(1.0, Range(0, 1, open_low=True), "Keep the smallest set reaching p.", keep_top_p),
+    "min_p": Control(0.0, Range(0, 1, open_high=True), "Drop tokens below min_p x the top probability.", keep_min_p),
+    "repeat_penalty": Control(
+        1.0, Range(0, 100, open_low=True), "Divide recent tokens' positive logits by this (1: off)."
+    ),
+    "repeat_last_n": Control(64, Range(0, MAX_REPEAT_LAST_N), "How many recent tokens the penalty covers."),
+}
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of an option."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(init=False)
 class SamplingOptions:
-    """How to pick tokens (llama.cpp / transformers names and meanings), and how many continuations."""
+    """How to pick tokens (llama.cpp / transformers names and meanings), and how many continuations.
+
+    Each control in CONTROLS is a keyword and an attribute (`options.top_p`), its default the control's.
+    """
 
     max_new_tokens: int = 200  # -1: until stopped
-    temperature: float = 0.8
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
     seed: int | None = None
     stop: tuple[str, ...] = ()
     num_samples: int = 1  # continuations of one prompt
+    controls: dict[str, float] = field(default_factory=dict)  # every control's value, by name
+
+    def __init__(
+        self,
+        max_new_tokens: int = 200,
+        seed: int | None = None,
+        stop: tuple[str, ...] = (),
+        num_samples: int = 1,
+        **controls: float,
+    ) -> None:
+        unknown = sorted(set(controls) - set(CONTROLS))
+        if unknown:
+            raise TypeError(f"SamplingOptions() got an unexpected keyword argument '{unknown[0]}'")
+        self.max_new_tokens, self.seed, self.stop, self.num_samples = max_new_tokens, seed, stop, num_samples
+        self.controls = {name: controls.get(name, control.default) for name, control in CONTROLS.items()}
+
+    def __getattr__(self, name: str) -> float:
+        """A control's value (only names that are not attributes get here)."""
+        try:
+            return self.__dict__["controls"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def key(self) -> tuple:
+        """What the filters read: rows with equal keys can be drawn together."""
+        return tuple(value for name, value in self.controls.items() if CONTROLS[name].filter is not None)
 
     def check(self) -> None:
         """Refuse values outside their meaning, before any work."""
         if self.max_new_tokens < -1:
             raise AftgenError(f"--max-new-tokens must be -1 (no limit) or >= 0, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise AftgenError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise AftgenError(f"--top-k must be >= 0 (0 turns it off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise AftgenError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p < 1:
-            raise AftgenError(f"--min-p must be in [0, 1), got {self.min_p}")
-        if not self.repeat_penalty > 0:
-            raise AftgenError(f"--repeat-penalty must be > 0, got {self.repeat_penalty}")
-        if not 0 <= self.repeat_last_n <= MAX_REPEAT_LAST_N:
-            raise AftgenError(f"--repeat-last-n must be between 0 and {MAX_REPEAT_LAST_N}, got {self.repeat_last_n}")
+        for name, value in self.controls.items():
+            if value not in CONTROLS[name].range:
+                raise AftgenError(f"{flag(name)} must be {CONTROLS[name].range}, got {value}")
         if self.num_samples < 1:
             raise AftgenError(f"--num-samples must be >= 1, got {self.num_samples}")
         if any(not s for s in self.stop):
@@ -65,21 +170,10 @@ def apply_repeat_penalty(logits: torch.Tensor, recent: torch.Tensor, penalty: fl
 
 
 def filter_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p: tokens ruled out get -inf. logits: (B, V)."""
-    logits = logits.float() / options.temperature
-    if options.top_k and options.top_k < logits.shape[-1]:
-        kept = torch.topk(logits, options.top_k, dim=-1).indices  # exactly k, ties broken by topk
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, kept, logits.gather(-1, kept))
-    if options.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # Keep the smallest set whose probability reaches top_p: a token goes if the ones before it already do.
-        before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
-        drop_sorted = before >= options.top_p
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    if options.min_p > 0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < options.min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    """Every control's filter in turn (temperature, top-k, top-p, min-p): tokens ruled out get -inf. logits: (B, V)."""
+    for name, value in options.controls.items():
+        if CONTROLS[name].filter is not None:
+            logits = CONTROLS[name].filter(logits, value)
     return logits
 
 

@@ -79,19 +79,36 @@ CORPUS_OPTIONS = {
 }
 
 
-def with_options(group: dict[str, tuple[object, object]]) -> Callable[[Command], Command]:
-    """Give a command a group of options several commands share, {name: (Annotated type, default)}:
-    typer reads the parameters from the signature set here, and the command takes them as **kwargs."""
+def with_options(group: dict | Callable[[], dict]) -> Callable[[Command], Command]:
+    """Give a command a group of options several commands share, {name: (Annotated type, default)}, or
+    a function making one: typer reads the parameters from the signature made here each time it builds
+    the command (so a group made from a table has the table's entries of that moment), and the command
+    takes them as **kwargs."""
+    make = group if callable(group) else lambda: group
 
     def add(command: Command) -> Command:
-        signature = inspect.signature(command, eval_str=True)
-        own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
-                  for name, (annotation, default) in group.items()]  # fmt: skip
-        command.__signature__ = signature.replace(parameters=[*own, *shared])
-        return command
+        return _WithOptions(command, make)  # type: ignore[return-value]
 
     return add
+
+
+class _WithOptions:
+    """A command whose signature is its own parameters followed by its option group's (see with_options)."""
+
+    def __init__(self, command: Callable, group: Callable[[], dict]):
+        functools.update_wrapper(self, command)
+        self.group = group
+
+    def __call__(self, *args, **kwargs):
+        return self.__wrapped__(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        signature = inspect.signature(self.__wrapped__, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+                  for name, (annotation, default) in self.group().items()]  # fmt: skip
+        return signature.replace(parameters=[*own, *shared])
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -15,12 +15,12 @@ from aftgen.cli.common import (
     STATE_PANEL,
     ModelOption,
     command,
-    options_from,
     placement,
     require_file,
     with_options,
 )
 from aftgen.errors import AftgenError
+from aftgen.sampling import CONTROLS
 from aftgen.sampling import SamplingOptions as Defaults
 
 
@@ -29,24 +29,24 @@ def _sampling(help: str, *names: str):
 
 
 Seed = Annotated[int | None, _sampling("Random seed (with --load-state: replaces the saved generator).")]
-# Options `sample` and `chat` share (llama.cpp / transformers names and meanings), defaults from SamplingOptions.
-SAMPLING_OPTIONS = {
-    "max_new_tokens": (
-        Annotated[int, _sampling("-1: until stopped.", "--max-new-tokens", "-n")],
-        Defaults.max_new_tokens,
-    ),
-    "temperature": (Annotated[float, _sampling("0: greedy.")], Defaults.temperature),
-    "top_k": (Annotated[int, _sampling("Keep the k likeliest tokens (0: off).")], Defaults.top_k),
-    "top_p": (Annotated[float, _sampling("Keep the smallest set reaching p.")], Defaults.top_p),
-    "min_p": (Annotated[float, _sampling("Drop tokens below min_p x the top probability.")], Defaults.min_p),
-    "repeat_penalty": (
-        Annotated[float, _sampling("Divide recent tokens' positive logits by this (1: off).")],
-        Defaults.repeat_penalty,
-    ),
-    "repeat_last_n": (Annotated[int, _sampling("How many recent tokens the penalty covers.")], Defaults.repeat_last_n),
-    "seed": (Seed, Defaults.seed),
-}
-GENERATION_OPTIONS = SAMPLING_OPTIONS | HARDWARE_OPTIONS
+MaxNewTokens = Annotated[int, _sampling("-1: until stopped.", "--max-new-tokens", "-n")]
+
+
+def sampling_options() -> dict[str, tuple[object, object]]:
+    """The options `sample` and `chat` share: -n, one per control in aftgen.sampling.CONTROLS, --seed.
+
+    Made when typer builds the command, so a control added to CONTROLS before then is an option too.
+    """
+    controls = {
+        name: (Annotated[control.type, _sampling(control.help)], control.default) for name, control in CONTROLS.items()
+    }
+    return {"max_new_tokens": (MaxNewTokens, Defaults.max_new_tokens), **controls, "seed": (Seed, Defaults.seed)}
+
+
+def generation_options() -> dict[str, tuple[object, object]]:
+    return sampling_options() | HARDWARE_OPTIONS
+
+
 LoadState = Annotated[
     Path | None,
     typer.Option(help="Continue from a state file (sample --save-state, prime).", rich_help_panel=STATE_PANEL),
@@ -60,7 +60,8 @@ Compile = Annotated[
 
 
 def _sampling_options(shared: dict, stop: list[str] | None, num_samples: int = 1) -> Defaults:
-    options = options_from(Defaults, shared, stop=tuple(stop or ()), num_samples=num_samples)
+    given = {name: shared[name] for name in sampling_options()}
+    options = Defaults(**given, stop=tuple(stop or ()), num_samples=num_samples)
     options.check()
     return options
 
@@ -89,7 +90,7 @@ def _prompt_text(prompt: str, prompt_file: Path | None) -> str:
     return sys.stdin.read() if prompt == "-" else prompt
 
 
-@with_options(GENERATION_OPTIONS)
+@with_options(generation_options)
 @command
 def sample(
     model: ModelOption = None,
@@ -180,7 +181,7 @@ def prime(
     print(out)
 
 
-@with_options(GENERATION_OPTIONS)
+@with_options(generation_options)
 @command
 def chat(
     model: ModelOption = None,

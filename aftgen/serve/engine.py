@@ -314,7 +314,7 @@ class Engine:
         for i, row in enumerate(rows):
             options = row.stream.options
             if options.repeat_penalty == 1.0:
-                alike.setdefault((options.temperature, options.top_k, options.top_p, options.min_p), []).append(i)
+                alike.setdefault(options.key(), []).append(i)
             else:
                 tokens[i] = row.stream.next_token()
         for members in alike.values():

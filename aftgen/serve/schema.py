@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from aftgen.sampling import MAX_REPEAT_LAST_N, SamplingOptions
+from aftgen.sampling import CONTROLS, Range, SamplingOptions
 from aftgen.serve.conversation import REPLY_END, ROLES, chat_ids, message_text
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.sessions import valid_name
@@ -48,27 +48,28 @@ def invalid(param: str, message: str) -> APIError:
     return APIError(400, message, param=param)
 
 
-def integer(low: int | None = None, high: int | None = None) -> Callable[[str, object], int]:
+def integer(allowed: Range) -> Callable[[str, object], int]:
     def check(name: str, value: object) -> int:
         if not isinstance(value, int) or isinstance(value, bool):
             raise invalid(name, f"'{name}' must be an integer, got {value!r}")
-        if (low is not None and value < low) or (high is not None and value > high):
-            raise invalid(name, f"'{name}' must be between {low} and {high}, got {value}")
-        return value
+        return within(name, value, allowed)
 
     return check
 
 
-def number(low: float, high: float, open_low: bool = False, open_high: bool = False) -> Callable[[str, object], float]:
+def number(allowed: Range) -> Callable[[str, object], float]:
     def check(name: str, value: object) -> float:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             raise invalid(name, f"'{name}' must be a number, got {value!r}")
-        if value < low or value > high or (open_low and value == low) or (open_high and value == high):
-            interval = f"{'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
-            raise invalid(name, f"'{name}' must be in {interval}, got {value}")
-        return float(value)
+        return float(within(name, value, allowed))
 
     return check
+
+
+def within(name: str, value: float, allowed: Range) -> float:
+    if value not in allowed:
+        raise invalid(name, f"'{name}' must be {allowed}, got {value}")
+    return value
 
 
 def boolean(name: str, value: object) -> bool:
@@ -127,18 +128,13 @@ def sampling_fields(options: ServeOptions) -> dict[str, Callable[[str, object], 
     """Fields both routes take, with the server's limits."""
     return {
         "model": text,
-        "max_tokens": integer(0, options.max_tokens),
-        "temperature": number(0, 2),
-        "top_p": number(0, 1, open_low=True),
-        "n": integer(1, options.parallel),
+        "max_tokens": integer(Range(0, options.max_tokens)),
+        "n": integer(Range(1, options.parallel)),
         "stream": boolean,
         "stream_options": stream_options,
         "stop": stops,
-        "seed": integer(0, SEED_LIMIT - 1),
-        "top_k": integer(0, None),
-        "min_p": number(0, 1, open_high=True),
-        "repeat_penalty": number(0, 100, open_low=True),
-        "repeat_last_n": integer(0, MAX_REPEAT_LAST_N),
+        "seed": integer(Range(0, SEED_LIMIT - 1)),
+        **{name: (integer if control.type is int else number)(control.range) for name, control in CONTROLS.items()},
         "session": session_name,
     }
 
@@ -247,7 +243,7 @@ def parse_request(body: dict, chat: bool, options: ServeOptions, tokenizer: Toke
     if where is not None:
         raise invalid(where, f"'{where}' holds a lone surrogate (such as \\ud800): it is not valid Unicode text")
     if chat:
-        fields = {"messages": messages, "max_completion_tokens": integer(0, options.max_tokens)}
+        fields = {"messages": messages, "max_completion_tokens": integer(Range(0, options.max_tokens))}
     else:
         fields = {"prompt": prompt_text}
     values = checked_fields(body, sampling_fields(options) | fields)
@@ -264,15 +260,12 @@ def parse_request(body: dict, chat: bool, options: ServeOptions, tokenizer: Toke
     if values.get("session") is not None and values.get("n", 1) > 1:
         raise invalid("n", "a session continues one conversation: 'n' must be 1 with 'session'")
     ids = prompt_ids(values, chat, tokenizer, options.max_prompt_tokens)
+    given = {name: values[name] for name in CONTROLS if name in values}
     sampling = SamplingOptions(
         max_new_tokens=values.get("max_tokens", values.get("max_completion_tokens", options.max_tokens)),
-        temperature=values.get("temperature", 1.0),  # OpenAI's default
-        **{
-            name: values[name]
-            for name in ("top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed")
-            if name in values
-        },
+        seed=values.get("seed"),
         stop=values.get("stop", (REPLY_END,) if chat else ()),
+        **{"temperature": 1.0} | given,  # OpenAI's default temperature
     )
     work = Work(ids, sampling, values.get("n", 1), values.get("session"), REPLY_END if chat else None)
     return Request(work, chat, values.get("stream", False), values.get("stream_options", False))
