@@ -253,9 +253,10 @@ class Context:
     def remember(self, ids: torch.Tensor) -> None:
         self.recent = torch.cat([self.recent, ids.view(1, -1)], dim=1)[:, -MAX_REPEAT_LAST_N:]
 
-    def fork(self) -> Context:
-        """An independent copy that shares the random generator (so forks draw different samples)."""
-        return Context(clone_state(self.state), self.logits.clone(), self.generator, self.recent.clone(), self.pending)
+    def fork(self, generator: torch.Generator | None = None) -> Context:
+        """An independent copy drawing from `generator`, or sharing this one's (so forks draw different samples)."""
+        generator = generator or self.generator
+        return Context(clone_state(self.state), self.logits.clone(), generator, self.recent.clone(), self.pending)
 
 
 def new_generator(seed: int | None) -> torch.Generator:
@@ -267,6 +268,65 @@ def new_generator(seed: int | None) -> torch.Generator:
     return generator
 
 
+class PromptReader:
+    """Token ids read into a context in the parallel form, PROMPT_CHUNK at most per pass (constant memory).
+
+    A fresh context starts from the model's initial state with a generator seeded with `seed` (random
+    if None); a continued one keeps its own generator unless a seed is given. `read_prompt` reads a
+    whole prompt at once, the server a budget of tokens per turn between its batched steps. Run it
+    under torch.inference_mode(), as generation runs.
+    """
+
+    def __init__(
+        self,
+        model: AFTLM,
+        ids: list[int],
+        context: Context | None = None,
+        seed: int | None = None,
+        prefill: PrefillFunction | None = None,
+    ):
+        if context is None:
+            context = Context(model.initial_state(1), torch.zeros(1, model.config.vocab_size), new_generator(seed))
+        elif seed is not None:
+            context.generator.manual_seed(seed)
+        self.model, self.ids, self.context, self.prefill = model, ids, context, prefill
+        self.unread = len(ids)
+
+    @property
+    def done(self) -> bool:
+        return self.unread == 0
+
+    def skip(self, state: ModelState, logits: torch.Tensor, count: int) -> None:
+        """Go on from a state that has already read the first `count` ids (a prefix cache's), with its logits."""
+        self.context.state, self.context.logits, self.unread = state, logits, len(self.ids) - count
+
+    def read(self, budget: int | None = None) -> int:
+        """Read up to `budget` more ids (all of them if None); returns how many were read.
+        `prefill` (from compile_prefill) reads the whole chunks, `model.prefill` the rest."""
+        start = len(self.ids) - self.unread
+        ids = torch.tensor([self.ids[start : None if budget is None else start + budget]], dtype=torch.long)
+        for offset in range(0, ids.shape[1], PROMPT_CHUNK):
+            chunk = ids[:, offset : offset + PROMPT_CHUNK]
+            read = self.prefill if self.prefill is not None and chunk.shape[1] == PROMPT_CHUNK else self.model.prefill
+            logits, self.context.state = read(chunk, self.context.state, last_only=True)
+            self.context.logits = logits[:, -1].float()
+        self.unread -= ids.shape[1]
+        return ids.shape[1]
+
+    def finish(self) -> Context:
+        """The context once every id is read: its last ids remembered for the repeat penalty, and a
+        character an earlier run left unfinished abandoned (reading nothing leaves both as they were)."""
+        if self.ids:
+            self.context.remember(torch.tensor([self.ids[-MAX_REPEAT_LAST_N:]]))
+            self.context.pending = b""
+        return self.context
+
+
+def opening(tokenizer: Tokenizer, ids: list[int], context: Context | None) -> list[int]:
+    """What a prompt's ids read into `context`: BOS first when there is none yet (a fresh context)."""
+    return ids if context is not None else [tokenizer.bos_id, *ids]
+
+
 @torch.inference_mode()
 def read_prompt(
     model: AFTLM,
@@ -276,28 +336,10 @@ def read_prompt(
     seed: int | None = None,
     prefill: PrefillFunction | None = None,
 ) -> Context:
-    """Read text into a context in the parallel form, PROMPT_CHUNK tokens at a time (constant memory).
-
-    A fresh context starts with BOS and a generator seeded with `seed` (random if None); a continued
-    one keeps its own generator unless a seed is given. `prefill` (from compile_prefill) reads the
-    whole chunks, `model.prefill` the rest.
-    """
-    ids = ([] if context is not None else [tokenizer.bos_id]) + tokenizer.encode(prompt)
-    if context is None:
-        context = Context(model.initial_state(1), torch.zeros(1, model.config.vocab_size), new_generator(seed))
-    elif seed is not None:
-        context.generator.manual_seed(seed)
-    if not ids:
-        return context
-    ids_tensor = torch.tensor([ids])
-    for start in range(0, len(ids), PROMPT_CHUNK):
-        chunk = ids_tensor[:, start : start + PROMPT_CHUNK]
-        read = prefill if prefill is not None and chunk.shape[1] == PROMPT_CHUNK else model.prefill
-        logits, context.state = read(chunk, context.state, last_only=True)
-    context.logits = logits[:, -1].float()
-    context.remember(ids_tensor[:, -MAX_REPEAT_LAST_N:])
-    context.pending = b""  # a character left unfinished before this text is abandoned
-    return context
+    """Read text into a context (a fresh one, with BOS, if None): see PromptReader."""
+    reader = PromptReader(model, opening(tokenizer, tokenizer.encode(prompt), context), context, seed, prefill)
+    reader.read()
+    return reader.finish()
 
 
 class TextStream:

@@ -16,7 +16,7 @@ import torch
 from aftgen.bench.measure import fastest_side_by_side, memory_mb, prefill_timer, products_timer, read_until, step_timer
 from aftgen.bench.targets import TARGETS, Row
 from aftgen.model import AFTLM, AFTConfig, clone_state, compile_prefill, compile_step, tokens_read
-from aftgen.sampling import PROMPT_CHUNK, Context, SamplingOptions, generate, new_generator
+from aftgen.sampling import PROMPT_CHUNK, PromptReader, SamplingOptions, generate
 
 CONTEXTS = (1_000, 8_000, 32_000, 100_000)
 GENERATED = (1_000, 100_000)  # generated-token counts at which memory is compared
@@ -128,8 +128,8 @@ def _generate_and_weigh(
     """Generate (sampling included) with the fast step, timing 500-token stretches and weighing the
     process after `generated` tokens; returns {generated: (resident, peak) MB}."""
     options = SamplingOptions(max_new_tokens=-1, temperature=0.8, seed=0)
-    with torch.inference_mode():  # as read_prompt makes it: the compiled step's graph is specific to that
-        context = Context(model.initial_state(1), torch.zeros(1, model.config.vocab_size), new_generator(0))
+    with torch.inference_mode():  # as read_prompt reads: the compiled step's graph is specific to that
+        context = PromptReader(model, [], seed=0).finish()  # no prompt: the step's cost does not depend on one
     memory, stretches, stretch_start = {}, [], time.perf_counter()
     for _ in generate(model, _NullTokenizer(), context, options, step):
         made = tokens_read(context.state)

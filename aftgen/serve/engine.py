@@ -21,8 +21,8 @@ import torch
 
 from aftgen.device import Placement
 from aftgen.errors import AftgenError
-from aftgen.model import AFTLM, ModelState, tokens_read
-from aftgen.sampling import MAX_REPEAT_LAST_N, Context, TextStream, choose, new_generator
+from aftgen.model import AFTLM, tokens_read
+from aftgen.sampling import Context, PromptReader, TextStream, choose, new_generator, opening
 from aftgen.serve.batch import Batch
 from aftgen.serve.cache import PrefixCache, state_bytes
 from aftgen.serve.options import ServeOptions
@@ -42,12 +42,8 @@ class Reader:
     """A request reading its prompt, chunk by chunk, before it generates."""
 
     ticket: Ticket
-    ids: list[int]  # the whole prompt as read into the state (BOS first unless it continues a session)
-    unread: int  # how many of ids, from the end, are still to read
-    state: ModelState | None
-    logits: torch.Tensor | None
-    cached: int = 0
-    context: Context | None = None  # the session's, when it continues one
+    prompt: PromptReader  # the whole prompt as read into the state (BOS first unless it continues a session)
+    cached: int = 0  # of its tokens, those the prefix cache had already read
 
 
 @dataclass(eq=False)
@@ -216,66 +212,52 @@ class Engine:
 
     def _reader(self, ticket: Ticket) -> Reader | Failed:
         """Where the request's prompt starts reading: a session's context, a cached prefix, or nothing."""
-        work, bos = ticket.work, self.tokenizer.bos_id
+        work = ticket.work
         if work.session is None:
-            ids = [bos, *work.prompt]
-            hit = self.cache.lookup(ids) if self.cache else None
+            prompt = PromptReader(self.model, opening(self.tokenizer, work.prompt, None), seed=work.options.seed)
+            hit = self.cache.lookup(prompt.ids) if self.cache else None
             if hit is None:
-                return Reader(ticket, ids, len(ids), None, None)
-            return Reader(ticket, ids, len(ids) - hit.tokens, hit.state, hit.logits, cached=hit.tokens)
+                return Reader(ticket, prompt)
+            prompt.skip(hit.state, hit.logits, hit.tokens)
+            return Reader(ticket, prompt, cached=hit.tokens)
         if work.session in self.busy_sessions:
             message = f"session '{work.session}' is busy with another request; send the next one when it has finished"
             return Failed(409, message, "invalid_request_error", "session_busy")
         try:
-            context = self.sessions.get(work.session)
+            context = self.sessions.get(work.session)  # None: a new session starts like a fresh prompt
         except AftgenError as exc:  # a damaged file, or one another model wrote
             return Failed(400, f"session '{work.session}' cannot be continued: {exc}", "invalid_request_error")
-        if context is None:  # a new session starts like a fresh prompt
-            vocab = self.model.config.vocab_size
-            context = Context(self.model.initial_state(1), torch.zeros(1, vocab), new_generator(work.options.seed))
-            ids = [bos, *work.prompt]
-        else:
-            ids = list(work.prompt)
-            if work.options.seed is not None:
-                context.generator.manual_seed(work.options.seed)
         self.busy_sessions.add(work.session)
-        return Reader(ticket, ids, len(ids), context.state, context.logits, context=context)
+        ids = opening(self.tokenizer, work.prompt, context)
+        return Reader(ticket, PromptReader(self.model, ids, context, work.options.seed))
 
     def _read(self) -> None:
         """Read up to prompt_chunk prompt tokens, from the longest-waiting readers first."""
         budget = self.options.prompt_chunk
         while self.reading and budget > 0:
             reader = self.reading[0]
-            start = len(reader.ids) - reader.unread
-            chunk = reader.ids[start : start + budget]
-            if chunk:
-                logits, reader.state = self.model.prefill(torch.tensor([chunk]), reader.state, last_only=True)
-                reader.logits, reader.unread = logits[:, -1].float(), reader.unread - len(chunk)
-                budget -= len(chunk)
-            if reader.unread == 0:
+            budget -= reader.prompt.read(budget)
+            if reader.prompt.done:
                 self.reading.popleft()
                 self._begin(reader)
 
     def _begin(self, reader: Reader) -> None:
         """The prompt is read: keep it in the cache, then start each choice generating."""
-        ticket, work = reader.ticket, reader.ticket.work
-        self._emit(ticket, Started(len(reader.ids), reader.cached))
-        if reader.context is not None:
-            contexts = [self._continued(reader)]
-        else:
-            if self.cache is not None and reader.cached < len(reader.ids):
-                self.cache.put(reader.ids, reader.state, reader.logits)
-            recent = torch.tensor([reader.ids[-MAX_REPEAT_LAST_N:]])
-            seeds = [None if work.options.seed is None else work.options.seed + i for i in range(work.n)]
-            contexts = [
-                Context(reader.state, reader.logits.clone(), new_generator(seed), recent.clone()) for seed in seeds
-            ]
+        ticket, work, ids = reader.ticket, reader.ticket.work, reader.prompt.ids
+        self._emit(ticket, Started(len(ids), reader.cached))
+        context = reader.prompt.finish()
+        contexts = [context]
+        if work.session is None:
+            if self.cache is not None and reader.cached < len(ids):
+                self.cache.put(ids, context.state, context.logits)
+            seed = work.options.seed  # choice i draws from seed + i
+            contexts += [context.fork(new_generator(None if seed is None else seed + i)) for i in range(1, work.n)]
         ticket.unfinished = len(contexts)
+        remember = work.reply_suffix is not None and work.session is None
         joining = []
         for index, context in enumerate(contexts):
             stream = TextStream(self.tokenizer, context, work.options)
-            remember = work.reply_suffix is not None and reader.context is None
-            row = Row(ticket, index, stream, reader.ids if remember else [])
+            row = Row(ticket, index, stream, ids if remember else [])
             self._text(row, stream.begin())
             if stream.done:  # max_tokens 0: only the prompt was wanted
                 self._end(row)
@@ -284,15 +266,6 @@ class Engine:
         self.batch.add(joining)
         for row, _, _ in joining:
             row.stream.context.state = []  # the batch holds it now; a session gets it back when it ends
-
-    def _continued(self, reader: Reader) -> Context:
-        """A session's context after its new text, as aftgen.sampling.read_prompt leaves one."""
-        context = reader.context
-        context.state, context.logits = reader.state, reader.logits
-        if reader.ids:
-            context.remember(torch.tensor([reader.ids[-MAX_REPEAT_LAST_N:]]))
-            context.pending = b""  # a character left unfinished before this text is abandoned
-        return context
 
     def _step(self) -> None:
         """One batched step: every row's next token in, every row's logits out."""
@@ -381,12 +354,9 @@ class Engine:
         reading it now (a short parallel pass) means the next turn reads only its new message.
         """
         reply = "".join(row.parts) + row.ticket.work.reply_suffix
-        ids = row.prompt + self.tokenizer.encode(reply)
-        hit = self.cache.lookup(ids)
-        state, logits, start = (hit.state, hit.logits, hit.tokens) if hit else (None, None, 0)
-        for offset in range(start, len(ids), self.options.prompt_chunk):
-            chunk = torch.tensor([ids[offset : offset + self.options.prompt_chunk]])
-            logits, state = self.model.prefill(chunk, state, last_only=True)
-            logits = logits[:, -1].float()
-        if start < len(ids):
-            self.cache.put(ids, state, logits)
+        prompt = PromptReader(self.model, row.prompt + self.tokenizer.encode(reply))
+        hit = self.cache.lookup(prompt.ids)
+        if hit is not None:
+            prompt.skip(hit.state, hit.logits, hit.tokens)
+        if prompt.read():
+            self.cache.put(prompt.ids, prompt.context.state, prompt.context.logits)
