@@ -16,7 +16,7 @@ from aftgen.model import AFTLM, StepFunction
 from aftgen.sampling import Context, SamplingOptions, generate, read_prompt
 from aftgen.tokenizer import Tokenizer
 
-REPLY_END = "\n\n"  # a reply ends at a blank line unless told otherwise
+REPLY_END = "\n\n"  # a reply ends at a blank line unless told otherwise (`aftgen chat`'s and the server's)
 
 
 @contextlib.contextmanager

@@ -7,9 +7,9 @@ find the state after the history.
 
 from __future__ import annotations
 
+from aftgen.chat import REPLY_END
 from aftgen.tokenizer import Tokenizer
 
-REPLY_END = "\n\n"  # what ends a reply: `aftgen chat`'s default stop, a blank line
 ENDINGS = {"system": REPLY_END, "developer": REPLY_END, "user": "\n", "assistant": REPLY_END}
 ROLES = tuple(ENDINGS)
 
