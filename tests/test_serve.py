@@ -31,7 +31,8 @@ from aftgen.model import AFTLM, AFTConfig, clone_state, tokens_read
 from aftgen.sampling import SamplingOptions, exponential_race, generate, read_prompt
 from aftgen.serve.batch import Batch
 from aftgen.serve.engine import Engine
-from aftgen.serve.options import BenchServeOptions, ServeOptions
+from aftgen.bench.options import BenchServeOptions
+from aftgen.serve.options import ServeOptions
 from aftgen.serve.schema import APIError, parse_request
 from aftgen.serve.server import prepare
 from aftgen.serve.work import Done, Text, Work

@@ -19,7 +19,7 @@ from aftgen.cli.common import (
     whole_numbers,
 )
 from aftgen.errors import AftgenError
-from aftgen.serve.options import BenchServeOptions
+from aftgen.bench.options import BenchServeOptions
 
 bench_app = typer.Typer(help="Measure speed and memory on this machine (no subcommand: `bench all`).")
 AsJson = Annotated[bool, typer.Option("--json", help="One JSON object per row on stdout.")]
