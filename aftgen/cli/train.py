@@ -24,6 +24,7 @@ from aftgen.cli.common import (
     with_options,
 )
 from aftgen.corpus import CorpusOptions
+from aftgen.mixers import MIXERS
 from aftgen.training.options import FINE_TUNE_DEFAULTS, FINE_TUNE_STEPS, flag
 from aftgen.training.options import TrainOptions as Defaults
 from aftgen.training.recipe import DEFAULT_BUDGET
@@ -65,9 +66,7 @@ def train(
     mixer: Annotated[
         str | None,
         _option(
-            "Token mixer: aft_local | aft_simple (no window) | aft_full (window = whole context; "
-            "generation O(context) per token) | attention (softmax + KV cache, the baseline).",
-            MODEL_PANEL,
+            "Token mixer: " + " | ".join(f"{name} ({kind.about})" for name, kind in MIXERS.items()) + ".", MODEL_PANEL
         ),
     ] = None,
     window: Annotated[int | None, _option("AFT-local window s.", MODEL_PANEL)] = None,
