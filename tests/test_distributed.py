@@ -18,7 +18,8 @@ from aftgen.checkpoint import load_checkpoint, save_checkpoint
 from aftgen.device import Compiled, Placement, resolve
 from aftgen.errors import AftgenError
 from aftgen.mixers import AFTMixer
-from aftgen.training import TrainOptions, train
+from aftgen.training.loop import train
+from aftgen.training.options import TrainOptions
 
 pytestmark = pytest.mark.cpu  # torchrun over gloo, CPU autocast, CPU threads: these are about the CPU
 

@@ -15,13 +15,14 @@ from safetensors.torch import load_file
 from test_hub import TOKEN, aftgen, aftgen_session, hub_env
 from typer.testing import CliRunner
 
-from aftgen.checkpoint import TRAINING_INFO, WEIGHTS, load_checkpoint
+from aftgen.checkpoint import WEIGHTS, load_checkpoint
 from aftgen.cli import app
 from aftgen.errors import AftgenError
 from aftgen.model import AFTConfig
 from aftgen.state import weights_hash
-from aftgen.training import TrainingInterrupted
+from aftgen.training.loop import TrainingInterrupted
 from aftgen.training.options import FINE_TUNE_DEFAULTS, TrainOptions
+from aftgen.training.record import TRAINING_INFO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 runner = CliRunner()
@@ -36,7 +37,7 @@ def other_corpus(tmp_path_factory):
 
 def fine_tune(corpus, out, base, on_eval=None, **changes):
     """A few steps from `base`; TrainOptions' own fine-tuning defaults unless `changes` say otherwise."""
-    from aftgen.training import TrainOptions, train
+    from aftgen.training.loop import train
 
     options = dict(init_from=str(base), max_steps=6, eval_interval=2, device=DEVICE) | changes
     return train(TrainOptions(corpus=corpus, out=out, **options), quiet=True, on_eval=on_eval)

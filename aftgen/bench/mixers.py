@@ -198,7 +198,9 @@ def bench_quality(corpus: Path, seconds: float, mixers: tuple[str, ...], log: Lo
     from aftgen.checkpoint import load_checkpoint
     from aftgen.corpus import prepare_corpus
     from aftgen.evaluate import evaluate_ids
-    from aftgen.training import TrainOptions, recipe, train
+    from aftgen.training import recipe
+    from aftgen.training.loop import train
+    from aftgen.training.options import TrainOptions
 
     if not seconds > 0:
         raise AftgenError(f"--time must be positive, got {seconds}")

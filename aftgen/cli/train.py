@@ -1,4 +1,4 @@
-"""`aftgen train`: the options of aftgen.training.TrainOptions on the command line."""
+"""`aftgen train`: the options of aftgen.training.options.TrainOptions on the command line."""
 
 from __future__ import annotations
 
@@ -143,8 +143,9 @@ def train(
 
     The same command under `torchrun --nproc_per_node N -m aftgen train ...` trains on N processes.
     """
-    from aftgen.training import TrainingInterrupted, TrainOptions
-    from aftgen.training import train as run_training
+    from aftgen.training.loop import TrainingInterrupted
+    from aftgen.training.loop import train as run_training
+    from aftgen.training.options import TrainOptions
 
     given = locals() | shared
     options = options_from(TrainOptions, given, command=shlex.join(["aftgen", *sys.argv[1:]]))
