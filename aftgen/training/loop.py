@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from aftgen import curves, data, distributed, evaluate
+from aftgen import curves, distributed, evaluate
 from aftgen.checkpoint import WEIGHTS, read_weights
 from aftgen.corpus import PreparedCorpus, prepare_corpus
 from aftgen.device import Compiled, Placement, resolve
@@ -27,7 +27,7 @@ from aftgen.errors import AftgenError
 from aftgen.mixers import fixed_size_state
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.tokenizer import Tokenizer
-from aftgen.training import probe, recipe
+from aftgen.training import batches, probe, recipe
 from aftgen.training.averaging import WeightAverage
 from aftgen.training.base import BaseModel
 from aftgen.training.optimizer import learning_rate, make_optimizer, set_learning_rate
@@ -220,7 +220,7 @@ def _loop(options, run, corpus, training, placement, world, reporter, on_eval) -
                 break
             lr = learning_rate(options, training.step, progress)
             set_learning_rate(training.optimizer, lr)
-            inputs, targets = data.batch(corpus.train_ids, batch_size, length, training.generator, *world.slot)
+            inputs, targets = batches.batch(corpus.train_ids, batch_size, length, training.generator, *world.slot)
             loss = _step(trainer, training, scaler, inputs, targets, placement, options.grad_clip, run)
             meter.add(loss, inputs.numel() * world.size)
             reporter.update(training.step, progress, meter.status())
