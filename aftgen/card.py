@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aftgen.checkpoint import read_run_files
 from aftgen.curves import CURVES
 from aftgen.model import AFTConfig
+from aftgen.training.record import read_run_files
 
 
 def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str = "", curves: bool = False) -> str:

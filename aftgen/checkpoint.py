@@ -5,12 +5,7 @@
     tokenizer.model              SentencePiece model
     README.md                    model card
 
-A training run's folder adds what `--resume` needs:
-
-    training_state.safetensors   the latest weights, optimiser moments and random states; its header
-                                 alone describes the run (settings, step, best held-out check)
-    training.json                the same description, for people, written last
-    metrics.jsonl                one row per held-out check
+A training run's folder adds its own files beside them (aftgen/training/state_file.py and record.py).
 """
 
 from __future__ import annotations
@@ -31,7 +26,6 @@ from aftgen.model import AFTLM, AFTConfig
 from aftgen.tokenizer import Tokenizer
 
 CONFIG, WEIGHTS, TOKENIZER, CARD = "config.json", "model.safetensors", "tokenizer.model", "README.md"
-TRAINING_STATE, TRAINING_INFO, METRICS = "training_state.safetensors", "training.json", "metrics.jsonl"
 CHECKPOINT_FILES = (CONFIG, WEIGHTS, TOKENIZER)
 MODEL_TYPE = "aftgen"
 FORMAT_VERSION = 1
@@ -171,98 +165,3 @@ def safetensors_metadata(source: Path | str | bytes) -> dict[str, str]:
         header = json.loads(handle.read(length).decode("utf-8"))
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     return metadata if isinstance(metadata, dict) else {}
-
-
-# --- Training state -------------------------------------------------------------------------------
-
-
-def save_training_state(
-    folder: Path, model: AFTLM, optimizer: torch.optim.Optimizer, generator, info: dict, average: AFTLM | None = None
-) -> None:
-    """Model, optimiser moments, random states and the weight average if there is one, in one safetensors
-    file (one atomic write, no pickle)."""
-    opt = optimizer.state_dict()
-    models = {"model": model} | ({"average": average} if average is not None else {})
-    tensors = {
-        f"{name}.{k}": v.detach().float().contiguous() for name, m in models.items() for k, v in m.state_dict().items()
-    }
-    for index, slots in opt["state"].items():
-        for key, value in slots.items():
-            tensors[f"optimizer.{index}.{key}"] = torch.as_tensor(value).float().contiguous()
-    tensors["rng.torch"] = torch.get_rng_state()
-    tensors["rng.data"] = generator.get_state()
-    device = next(model.parameters()).device
-    if device.type == "cuda":  # dropout on a GPU draws from the GPU's own generator
-        tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": g["params"]} for g in opt["param_groups"]]
-    metadata = {"info": json.dumps(info), "param_groups": json.dumps(groups)}
-    atomic_write(folder / TRAINING_STATE, save_safetensors(tensors, metadata=metadata))
-
-
-def _bad_training_state(path: Path, exc: Exception) -> AftgenError:
-    return AftgenError(f"{path}: cannot read training state ({str(exc)[:200]}); start again with --overwrite")
-
-
-def read_training_info(folder: Path) -> tuple[dict, list]:
-    """The run's description (settings, step, ...) and the optimiser's param groups, from the state file's header."""
-    path = folder / TRAINING_STATE
-    try:
-        metadata = safetensors_metadata(path)
-        return json.loads(metadata["info"]), json.loads(metadata["param_groups"])
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-        raise _bad_training_state(path, exc) from None
-
-
-def load_training_state(
-    folder: Path, model: AFTLM, optimizer: torch.optim.Optimizer, generator, average: AFTLM | None = None
-) -> dict:
-    """Restore what save_training_state wrote, in place; return the run's description. An average the
-    file lacks (the run had none so far) starts from the restored weights."""
-    path = folder / TRAINING_STATE
-    info, groups = read_training_info(folder)
-    try:
-        tensors = load_safetensors(path.read_bytes())
-        model.load_state_dict(_prefixed(tensors, "model."))
-        if average is not None:
-            average.load_state_dict(_prefixed(tensors, "average.") or model.state_dict())
-        state: dict[int, dict] = {}
-        for name, value in tensors.items():
-            if name.startswith("optimizer."):
-                _, index, key = name.split(".", 2)
-                state.setdefault(int(index), {})[key] = value
-        for group in groups:  # JSON has no tuples
-            group |= {key: tuple(group[key]) for key in ("betas", "ns_coefficients") if key in group}
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-        torch.set_rng_state(tensors["rng.torch"])
-        generator.set_state(tensors["rng.data"])
-        device = next(model.parameters()).device
-        if device.type == "cuda" and "rng.cuda" in tensors:
-            torch.cuda.set_rng_state(tensors["rng.cuda"], device)
-    except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-        raise _bad_training_state(path, exc) from None
-    return info
-
-
-def _prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {name[len(prefix) :]: value for name, value in tensors.items() if name.startswith(prefix)}
-
-
-def write_run_info(folder: Path, info: dict) -> None:
-    atomic_write(folder / TRAINING_INFO, json.dumps(info, indent=2) + "\n")
-
-
-def write_metrics(folder: Path, rows: list[dict]) -> None:
-    atomic_write(folder / METRICS, "".join(json.dumps(row) + "\n" for row in rows))
-
-
-def read_run_files(folder: Path) -> tuple[dict, list[dict]]:
-    """training.json and metrics.jsonl of a run folder (empty where absent)."""
-    try:
-        info = json.loads((folder / TRAINING_INFO).read_text()) if (folder / TRAINING_INFO).exists() else {}
-        lines = (folder / METRICS).read_text().splitlines() if (folder / METRICS).exists() else []
-        metrics = [json.loads(line) for line in lines if line.strip()]
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AftgenError(f"{folder}: cannot read {TRAINING_INFO} or {METRICS} ({exc})") from None
-    if not isinstance(info, dict) or not all(isinstance(row, dict) for row in metrics):
-        raise AftgenError(f"{folder}: {TRAINING_INFO} or {METRICS} does not hold JSON objects")
-    return info, metrics

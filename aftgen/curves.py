@@ -11,9 +11,9 @@ import io
 import time
 from pathlib import Path
 
-from aftgen.checkpoint import read_run_files
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_write
+from aftgen.training.record import read_run_files
 
 CURVES = "curves.png"
 INSTALL_HINT = "pip install 'aftgen[plot]'"

@@ -13,20 +13,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from aftgen.card import run_card
-from aftgen.checkpoint import (
-    CARD,
-    CHECKPOINT_FILES,
-    METRICS,
-    TRAINING_INFO,
-    TRAINING_STATE,
-    check_checkpoint,
-    load_checkpoint,
-)
+from aftgen.checkpoint import CARD, CHECKPOINT_FILES, check_checkpoint, load_checkpoint
 from aftgen.corpus import read_text
 from aftgen.curves import CURVES
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM
 from aftgen.tokenizer import Tokenizer
+from aftgen.training.record import METRICS, TRAINING_INFO
+from aftgen.training.state_file import TRAINING_STATE
 
 PULLED_FILES = [*CHECKPOINT_FILES, CARD]
 # OWNER/NAME with an optional @REVISION (branch, tag or commit), as the Hub spells repo ids.

@@ -91,7 +91,8 @@ def corpus(tmp_path_factory) -> Path:
 
 def train_tiny(corpus: Path, out: Path, on_eval=None, **changes) -> Path:
     """In-process training; vocabulary 400 on `corpus` reuses the tokenizer the tiny_run fixture cached."""
-    from aftgen.training import TrainOptions, train
+    from aftgen.training.loop import train
+    from aftgen.training.options import TrainOptions
 
     # fp32: the recipe's measured choice of dtype would make two runs' weights differ by chance
     options = dict(preset="tiny", vocab_size=400, max_steps=8, eval_interval=2, device=DEVICE, dtype="fp32") | changes

@@ -77,15 +77,16 @@ def test_words_longer_than_a_piece_are_cut_and_still_decode_exactly(tmp_path):
 
 
 def test_batches_from_a_token_file_that_hands_its_pages_back(tmp_path, monkeypatch):
-    from aftgen import data
+    from aftgen.corpus import token_file
+    from aftgen.training.batches import batch
 
-    monkeypatch.setattr(data, "RELEASE_ABOVE", 0)  # unmap after every batch, however small the file
+    monkeypatch.setattr(token_file, "RELEASE_ABOVE", 0)  # unmap after every batch, however small the file
     prepared = prepare_corpus([write_text(tmp_path / "a.txt", corpus_text(30_000))], CorpusOptions(**TINY), quiet)
     mapped, copy = prepared.train_ids, prepared.train_ids[:].clone()
     assert mapped.large
     for seed in range(3):
-        from_file = data.batch(mapped, 4, 16, torch.Generator().manual_seed(seed))
-        from_memory = data.batch(copy, 4, 16, torch.Generator().manual_seed(seed))
+        from_file = batch(mapped, 4, 16, torch.Generator().manual_seed(seed))
+        from_memory = batch(copy, 4, 16, torch.Generator().manual_seed(seed))
         assert all(torch.equal(a, b) for a, b in zip(from_file, from_memory, strict=True))
 
 

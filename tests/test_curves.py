@@ -68,7 +68,8 @@ def test_plot_refuses_a_folder_without_checks_in_one_line(tmp_path):
 
 
 def test_without_matplotlib_training_goes_on_and_says_how_to_get_the_picture(corpus, tmp_path, monkeypatch, capsys):
-    from aftgen.training import TrainOptions, train
+    from aftgen.training.loop import train
+    from aftgen.training.options import TrainOptions
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` meets when it is not installed
     options = TrainOptions(corpus=corpus, out=tmp_path / "run", preset="tiny", vocab_size=400, max_steps=4,

@@ -12,13 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from aftgen import data
 from aftgen.api import load
 from aftgen.checkpoint import load_checkpoint, save_checkpoint
 from aftgen.device import Compiled, Placement, resolve
 from aftgen.errors import AftgenError
 from aftgen.mixers import AFTMixer
-from aftgen.training import TrainOptions, train
+from aftgen.training.batches import batch
+from aftgen.training.loop import train
+from aftgen.training.options import TrainOptions
 
 pytestmark = pytest.mark.cpu  # torchrun over gloo, CPU autocast, CPU threads: these are about the CPU
 
@@ -98,8 +99,8 @@ def test_two_processes_train_like_one_even_across_a_resume(tmp_path, corpus, sin
 
 def test_ranks_split_one_global_batch(corpus):
     ids = torch.arange(1000, dtype=torch.int32)
-    whole, _ = data.batch(ids, 8, 16, torch.Generator().manual_seed(5))
-    parts = [data.batch(ids, 2, 16, torch.Generator().manual_seed(5), rank, 4)[0] for rank in range(4)]
+    whole, _ = batch(ids, 8, 16, torch.Generator().manual_seed(5))
+    parts = [batch(ids, 2, 16, torch.Generator().manual_seed(5), rank, 4)[0] for rank in range(4)]
     assert torch.equal(torch.cat(parts), whole)
 
 

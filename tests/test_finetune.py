@@ -15,11 +15,14 @@ from safetensors.torch import load_file
 from test_hub import TOKEN, aftgen, aftgen_session, hub_env
 from typer.testing import CliRunner
 
-from aftgen.checkpoint import TRAINING_INFO, WEIGHTS, load_checkpoint
+from aftgen.checkpoint import WEIGHTS, load_checkpoint
 from aftgen.cli import app
+from aftgen.errors import AftgenError
+from aftgen.model import AFTConfig
 from aftgen.state import weights_hash
-from aftgen.training import TrainingInterrupted
-from aftgen.training.options import FINE_TUNE_DEFAULTS
+from aftgen.training.loop import TrainingInterrupted
+from aftgen.training.options import FINE_TUNE_DEFAULTS, TrainOptions
+from aftgen.training.record import TRAINING_INFO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 runner = CliRunner()
@@ -34,7 +37,7 @@ def other_corpus(tmp_path_factory):
 
 def fine_tune(corpus, out, base, on_eval=None, **changes):
     """A few steps from `base`; TrainOptions' own fine-tuning defaults unless `changes` say otherwise."""
-    from aftgen.training import TrainOptions, train
+    from aftgen.training.loop import train
 
     options = dict(init_from=str(base), max_steps=6, eval_interval=2, device=DEVICE) | changes
     return train(TrainOptions(corpus=corpus, out=out, **options), quiet=True, on_eval=on_eval)
@@ -59,6 +62,15 @@ def test_an_option_contradicting_the_base_model_is_one_error(tmp_path, corpus, t
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.output
     assert not (tmp_path / "ft").exists()  # refused before any work
+
+
+def test_a_mixer_whose_weights_the_context_length_shapes_keeps_it(corpus):
+    # aft_full's window is its training length (Mixer.shaping_fields); aft_local's is --window alone.
+    options = TrainOptions(corpus=corpus, init_from="base", context_length=16)
+    base = dict(vocab_size=400, n_layer=2, n_embd=32, n_head=2, window=8, context_length=32)
+    assert options.resolved(AFTConfig(**base, mixer="aft_local"))["context_length"] == 16
+    with pytest.raises(AftgenError, match=r"--context-length 16 contradicts the base model \(context_length 32\)"):
+        options.resolved(AFTConfig(**base, mixer="aft_full"))
 
 
 def test_fine_tuning_starts_from_the_base_and_logs_its_score_as_step_0(tmp_path, corpus, tiny_run):

@@ -11,11 +11,11 @@ from conftest import DEVICE, on_device
 from typer.testing import CliRunner
 
 from aftgen.cli import app
-from aftgen.mixers import MIXERS
+from aftgen.mixers import MIXERS, AFTMixer
 from aftgen.mixers.aft import aft_naive, aft_parallel, soft_cap
 from aftgen.model import AFTLM, AFTConfig
 
-AFT_MIXERS = [m for m in MIXERS if m != "attention"]
+AFT_MIXERS = [name for name, kind in MIXERS.items() if kind.mixer is AFTMixer]
 runner = CliRunner()
 
 
@@ -23,11 +23,8 @@ def tiny_model(mixer: str, seed: int = 0) -> AFTLM:
     torch.manual_seed(seed)
     config = AFTConfig(vocab_size=50, n_layer=2, n_embd=32, n_head=4, window=8, context_length=64, mixer=mixer)
     model = on_device(AFTLM(config).eval())
-    with torch.no_grad():  # non-trivial biases and decays, so the tests exercise them
-        for block in model.blocks:
-            if mixer != "attention":
-                block.mixer.w.normal_(0, 1.0)
-                block.mixer.decay_logit.normal_(-3, 1.0)
+    for block in model.blocks:
+        block.mixer.perturb_()  # non-trivial biases and decays, so the tests exercise them
     return model
 
 

@@ -30,8 +30,6 @@ from aftgen.checkpoint import (
     CHECKPOINT_FILES,
     CONFIG,
     TOKENIZER,
-    TRAINING_INFO,
-    TRAINING_STATE,
     WEIGHTS,
     load_checkpoint,
     read_config,
@@ -39,7 +37,9 @@ from aftgen.checkpoint import (
 from aftgen.cli import app
 from aftgen.errors import AftgenError
 from aftgen.model import MAX_PARAMETERS, AFTConfig
-from aftgen.training import TrainingInterrupted
+from aftgen.training.loop import TrainingInterrupted
+from aftgen.training.record import TRAINING_INFO
+from aftgen.training.state_file import TRAINING_STATE
 
 runner = CliRunner()
 SOURCE = Path(aftgen.__file__).parent

@@ -24,6 +24,7 @@ from conftest import DEVICE, on_device
 from typer.testing import CliRunner
 
 from aftgen.api import load
+from aftgen.bench.options import BenchServeOptions
 from aftgen.bench.serve import StreamTiming, bench_serve, best_of, phase_figures
 from aftgen.cli import app
 from aftgen.device import resolve
@@ -31,7 +32,7 @@ from aftgen.model import AFTLM, AFTConfig, clone_state, tokens_read
 from aftgen.sampling import SamplingOptions, exponential_race, generate, read_prompt
 from aftgen.serve.batch import Batch
 from aftgen.serve.engine import Engine
-from aftgen.serve.options import BenchServeOptions, ServeOptions
+from aftgen.serve.options import ServeOptions
 from aftgen.serve.schema import APIError, parse_request
 from aftgen.serve.server import prepare
 from aftgen.serve.work import Done, Text, Work

@@ -12,8 +12,10 @@ from conftest import DEVICE, on_device, train_tiny
 from safetensors.torch import load_file
 
 from aftgen import evaluate
-from aftgen.checkpoint import TRAINING_INFO, TRAINING_STATE, WEIGHTS, load_checkpoint
+from aftgen.checkpoint import WEIGHTS, load_checkpoint
 from aftgen.model import AFTLM, AFTConfig
+from aftgen.training.record import TRAINING_INFO
+from aftgen.training.state_file import TRAINING_STATE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -213,8 +215,8 @@ def test_no_decay_trains_the_papers_aft_local(tmp_path, corpus, tiny_run):
 def test_run_folder_alone_refuses_mistakes_and_keeps_the_best_check(tmp_path, corpus, tiny_run):
     from aftgen.distributed import World
     from aftgen.errors import AftgenError
-    from aftgen.training import TrainOptions
     from aftgen.training.loop import Clock
+    from aftgen.training.options import TrainOptions
     from aftgen.training.run_folder import RunFolder
 
     with pytest.raises(AftgenError, match="already holds a run"):

@@ -31,7 +31,8 @@ def train_for(corpus: Path, out: Path, seconds: float, init_from: str | None) ->
     """Train on one thread for `seconds`; the final held-out nats/char. Meant for a fresh process."""
     import torch
 
-    from aftgen.training import TrainOptions, train
+    from aftgen.training.loop import train
+    from aftgen.training.options import TrainOptions
 
     torch.set_num_threads(1)
     changes = {"init_from": init_from} if init_from else {"keep_best": True}

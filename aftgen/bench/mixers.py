@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 
 from aftgen.bench.measure import fastest_side_by_side, in_fresh_process, memory_mb, read_until, step_timer
-from aftgen.bench.targets import TARGETS, Row
+from aftgen.bench.targets import BASELINE, SUBJECT, TARGETS, Row
 from aftgen.device import synchronize
 from aftgen.errors import AftgenError
+from aftgen.mixers import fixed_size_state
 from aftgen.model import AFTLM, AFTConfig, compile_step
 from aftgen.sampling import PROMPT_CHUNK
 from aftgen.training.probe import training_step
 
-BASELINE = "attention"
 TRAIN_LENGTHS = (256, 1024, 4096)
 TOKENS_PER_STEP = 4096  # batch = TOKENS_PER_STEP // length, so every length does the same work per step
 DECODE_CONTEXTS = (1_000, 8_000, 32_000)
@@ -157,10 +157,10 @@ def bench_decode(repeats: int = 100, log: Log = print) -> list[Row]:
     """
     rows: list[Row] = []
     ids = torch.randint(0, 1024, (1, PROMPT_CHUNK), generator=torch.Generator().manual_seed(0))
-    for mixer in ("aft_local", BASELINE):
+    for mixer in (SUBJECT, BASELINE):
         torch.manual_seed(0)
         model = comparison_model(mixer, 128).eval()
-        step, note = compile_step(model) if mixer != BASELINE else (model.step, "eager")
+        step, note = compile_step(model) if fixed_size_state(mixer) else (model.step, "eager")
         state = model.initial_state(1)
         for context in DECODE_CONTEXTS:
             if mixer == BASELINE:
@@ -198,7 +198,9 @@ def bench_quality(corpus: Path, seconds: float, mixers: tuple[str, ...], log: Lo
     from aftgen.checkpoint import load_checkpoint
     from aftgen.corpus import prepare_corpus
     from aftgen.evaluate import evaluate_ids
-    from aftgen.training import TrainOptions, recipe, train
+    from aftgen.training import recipe
+    from aftgen.training.loop import train
+    from aftgen.training.options import TrainOptions
 
     if not seconds > 0:
         raise AftgenError(f"--time must be positive, got {seconds}")
@@ -219,7 +221,7 @@ def bench_quality(corpus: Path, seconds: float, mixers: tuple[str, ...], log: Lo
             rows.append({"measure": "held-out", "value": round(result.nats_per_char, 4), "unit": "nats/char", **where})
             rows.append({"measure": "held-out", "value": round(result.bits_per_char, 4), "unit": "bits/char", **where})
             log(f"  {mixer}: {result.nats_per_char:.4f} nats/char ({result.bits_per_char:.4f} bits/char)")
-            if mixer == "aft_local":
+            if mixer == SUBJECT:
                 rows += _stream_rows(model, tokenizer, ids, log)
     base = {r["unit"]: r["value"] for r in rows if r["mixer"] == BASELINE and r["measure"] == "held-out"}
     for r in rows:
@@ -239,9 +241,9 @@ def _stream_rows(model: AFTLM, tokenizer, ids: torch.Tensor, log: Log) -> list[R
         chars = len(tokenizer.decode(ids[1 + low : 1 + (high or len(nll))].tolist()))
         nats = float(nll[low:high].double().sum()) / max(chars, 1)
         span = f"{low // 1000}k-{high // 1000}k" if high else f">{low // 1000}k"
-        where = {"mixer": "aft_local", "tokens": span}
+        where = {"mixer": SUBJECT, "tokens": span}
         rows.append({"measure": "held-out, one stream", "value": round(nats, 4), "unit": "nats/char", **where})
-        log(f"  aft_local stream, tokens {span}: {nats:.4f} nats/char ({nats / math.log(2):.4f} bits/char)")
+        log(f"  {SUBJECT} stream, tokens {span}: {nats:.4f} nats/char ({nats / math.log(2):.4f} bits/char)")
     return rows
 
 
@@ -262,13 +264,13 @@ def comparison_targets(rows: list[Row]) -> list[Row]:
 
     def ratio(measure: str, where: dict) -> float | None:
         for r in rows:
-            if r["measure"] == measure and r["mixer"] == "aft_local" and all(r.get(k) == v for k, v in where.items()):
+            if r["measure"] == measure and r["mixer"] == SUBJECT and all(r.get(k) == v for k, v in where.items()):
                 return r.get("vs_attention")
         return None
 
     judged = [(name, ratio(measure, where)) for name, measure, where in COMPARED]
     targets = [TARGETS[name].judge(value) for name, value in judged if value is not None]
-    memory = [r["value"] for r in rows if r["measure"] == "decode state memory" and r["mixer"] == "aft_local"]
+    memory = [r["value"] for r in rows if r["measure"] == "decode state memory" and r["mixer"] == SUBJECT]
     if memory:
         targets.append(TARGETS["decode state growth"].judge(memory[-1] - memory[0]))
     return targets

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from aftgen.bench.targets import Row
+from aftgen.bench.targets import SUBJECT, Row
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_write
 
@@ -55,7 +55,7 @@ def print_comparison(rows: list[Row], as_json: bool) -> None:
         )
         groups.setdefault((f"{r['measure']} ({r['unit']})", at), {})[r["mixer"]] = r
     for (measure, at), by_mixer in groups.items():
-        ours = by_mixer.get("aft_local", {}).get("vs_attention")
+        ours = by_mixer.get(SUBJECT, {}).get("vs_attention")
         versus = "" if ours is None else (f"{ours:+.4f}" if measure.startswith("held-out (") else f"{ours:.2f}x")
         cells = [f"{by_mixer[m]['value']:,.4g}" if m in by_mixer else "" for m in mixers]
         table.add_row(measure, at, *cells, versus)

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aftgen.bench.measure import memory_mb
+from aftgen.bench.options import STREAMS, BenchServeOptions
 from aftgen.bench.targets import TARGETS, Row
 from aftgen.errors import AftgenError
-from aftgen.serve.options import STREAMS, BenchServeOptions
 
 PROMPTS = ("ROMEO:", "JULIET:", "KING HENRY:", "First Citizen:", "NURSE:", "HAMLET:", "LADY MACBETH:", "GLOUCESTER:")
 START_TIMEOUT = 180.0  # seconds for the server to load its model and listen

@@ -26,6 +26,8 @@ class Target:
         return {"measure": self.measure, "value": round(value, 4), "unit": self.unit, "target": goal, "ok": meets}
 
 
+SUBJECT, BASELINE = "aft_local", "attention"  # the mixer the comparison targets judge, and against what
+
 TARGETS: dict[str, Target] = {
     # bench generate: the recurrent decoder at batch 1
     "latency growth": Target("latency after 100k / after 1k", "x", "<=", 1.10),

@@ -13,8 +13,7 @@ from typing import Annotated
 
 import typer
 
-from aftgen.bench.cli import bench_app
-from aftgen.cli import evaluate, generate, hub, plot, serve, train
+from aftgen.cli import bench, evaluate, generate, hub, plot, serve, train
 from aftgen.cli.common import DEBUG_VARIABLE
 
 app = typer.Typer(
@@ -46,7 +45,7 @@ app.command()(plot.plot)
 app.command()(hub.pull)
 app.command()(hub.push)
 app.command()(serve.serve)
-app.add_typer(bench_app, name="bench")
+app.add_typer(bench.bench_app, name="bench")
 
 
 def run() -> None:

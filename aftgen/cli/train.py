@@ -1,4 +1,4 @@
-"""`aftgen train`: the options of aftgen.training.TrainOptions on the command line."""
+"""`aftgen train`: the options of aftgen.training.options.TrainOptions on the command line."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from aftgen.cli.common import (
     with_options,
 )
 from aftgen.corpus import CorpusOptions
+from aftgen.mixers import MIXERS
 from aftgen.training.options import FINE_TUNE_DEFAULTS, FINE_TUNE_STEPS, flag
 from aftgen.training.options import TrainOptions as Defaults
 from aftgen.training.recipe import DEFAULT_BUDGET
@@ -65,9 +66,7 @@ def train(
     mixer: Annotated[
         str | None,
         _option(
-            "Token mixer: aft_local | aft_simple (no window) | aft_full (window = whole context; "
-            "generation O(context) per token) | attention (softmax + KV cache, the baseline).",
-            MODEL_PANEL,
+            "Token mixer: " + " | ".join(f"{name} ({kind.about})" for name, kind in MIXERS.items()) + ".", MODEL_PANEL
         ),
     ] = None,
     window: Annotated[int | None, _option("AFT-local window s.", MODEL_PANEL)] = None,
@@ -144,8 +143,9 @@ def train(
 
     The same command under `torchrun --nproc_per_node N -m aftgen train ...` trains on N processes.
     """
-    from aftgen.training import TrainingInterrupted, TrainOptions
-    from aftgen.training import train as run_training
+    from aftgen.training.loop import TrainingInterrupted
+    from aftgen.training.loop import train as run_training
+    from aftgen.training.options import TrainOptions
 
     given = locals() | shared
     options = options_from(TrainOptions, given, command=shlex.join(["aftgen", *sys.argv[1:]]))

@@ -18,7 +18,7 @@ from aftgen.corpus.progress import Advance, Meter
 from aftgen.corpus.sample import TOKENIZER_SAMPLE, sample, train_on_sample
 from aftgen.corpus.sources import DEFAULT_GLOB, BadFile, Document, check_encoding, find_files, read_span, scan_file
 from aftgen.corpus.split import DEFAULT_HELD_OUT, Span, Split, describe, parse_size, split_corpus
-from aftgen.data import TokenFile
+from aftgen.corpus.token_file import TokenFile
 from aftgen.device import release_freed_memory
 from aftgen.distributed import World, local_rank
 from aftgen.errors import AftgenError

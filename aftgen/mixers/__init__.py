@@ -1,41 +1,56 @@
 """Token mixers: the one part of a block that differs between model kinds (see protocol.Mixer).
 
-- aft_local: AFT with a window of config.window tokens (aft.py), the default;
-- aft_simple: AFT with no window, only the learned decay;
-- aft_full: AFT whose window is the whole training context (its step costs O(context) per token);
-- attention: softmax attention with RoPE and a KV cache (attention.py), the baseline.
+MIXERS, the registry, is the one list of them: `--mixer`, config.json's check, the server, the
+benchmarks and the every-mixer tests read it. A new mixer is a module with a class following Mixer
+and one line here.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 from aftgen.mixers.aft import AFTMixer
 from aftgen.mixers.attention import AttentionMixer
-from aftgen.mixers.protocol import Mixer, MixerState
+from aftgen.mixers.protocol import Mixer, MixerConfig, MixerState
 
-if TYPE_CHECKING:
-    from aftgen.model import AFTConfig
 
-KINDS: dict[str, type] = {
-    "aft_local": AFTMixer,
-    "aft_simple": AFTMixer,
-    "aft_full": AFTMixer,
-    "attention": AttentionMixer,
+class Kind(NamedTuple):
+    """A mixer by name: its class, and what it is in one line (`aftgen train --help`)."""
+
+    mixer: type[Mixer]
+    about: str
+
+
+MIXERS: dict[str, Kind] = {
+    "aft_local": Kind(AFTMixer, "AFT, relative biases inside --window and a learned decay beyond"),
+    "aft_simple": Kind(AFTMixer, "no window"),
+    "aft_full": Kind(AFTMixer, "window = whole context; generation O(context) per token"),
+    "attention": Kind(AttentionMixer, "softmax + KV cache, the baseline"),
 }
-MIXERS = tuple(KINDS)
 
-__all__ = ["MIXERS", "AFTMixer", "AttentionMixer", "Mixer", "MixerState", "fixed_size_state", "make_mixer"]
+__all__ = [
+    "MIXERS",
+    "AFTMixer",
+    "AttentionMixer",
+    "Kind",
+    "Mixer",
+    "MixerState",
+    "fixed_size_state",
+    "make_mixer",
+    "shaping_fields",
+]
 
 
 def fixed_size_state(mixer: str) -> bool:
     """Whether mixer `mixer`'s state keeps one size however long the stream (Mixer.fixed_size_state)."""
-    return KINDS[mixer].fixed_size_state
+    return MIXERS[mixer].mixer.fixed_size_state
 
 
-def make_mixer(config: AFTConfig) -> Mixer:
+def shaping_fields(config: MixerConfig) -> tuple[str, ...]:
+    """Config fields that set the shapes of config.mixer's weights besides the widths (Mixer.shaping_fields)."""
+    return MIXERS[config.mixer].mixer.shaping_fields(config)
+
+
+def make_mixer(config: MixerConfig) -> Mixer:
     """The token mixer config.mixer names."""
-    if config.mixer == "attention":
-        return AttentionMixer(config.n_embd, config.n_head)
-    window = {"aft_local": config.window, "aft_simple": 0, "aft_full": config.context_length}[config.mixer]
-    return AFTMixer(config.n_embd, config.n_head, window, config.context_length, config.decay)
+    return MIXERS[config.mixer].mixer.from_config(config)

@@ -33,9 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from aftgen.mixers.chunked import EMPTY_KEY, History, aft_chunked, aft_chunked_from
-from aftgen.mixers.protocol import MixerState
+from aftgen.mixers.protocol import MixerConfig, MixerState
 
 KEY_CAP = 10.0
+# The config field that sets each AFT mixer's window s (None: no window, the decay alone).
+WINDOW_FIELDS = {"aft_local": "window", "aft_simple": None, "aft_full": "context_length"}
 
 
 def soft_cap(x: torch.Tensor, cap: float = KEY_CAP) -> torch.Tensor:
@@ -239,6 +241,22 @@ class AFTMixer(torch.nn.Module):
         horizons = torch.logspace(math.log10(context_length), math.log10(max(window, 2) / 2), n_head)
         self.decay_logit = torch.nn.Parameter(torch.log(torch.expm1(1.0 / horizons)), requires_grad=decay)  # (H,)
         self.learn_decay = decay
+
+    @classmethod
+    def from_config(cls, config: MixerConfig) -> AFTMixer:
+        field = WINDOW_FIELDS[config.mixer]
+        window = getattr(config, field) if field else 0
+        return cls(config.n_embd, config.n_head, window, config.context_length, config.decay)
+
+    @classmethod
+    def shaping_fields(cls, config: MixerConfig) -> tuple[str, ...]:
+        field = WINDOW_FIELDS[config.mixer]
+        return (field,) if field else ()
+
+    @torch.no_grad()
+    def perturb_(self) -> None:
+        self.w.normal_(0, 1.0)
+        self.decay_logit.normal_(-3, 1.0)
 
     def decay(self) -> torch.Tensor:
         """lambda (H,): 0 without a learned decay (the paper's AFT-local)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from aftgen.mixers.protocol import MixerState
+from aftgen.mixers.protocol import MixerConfig, MixerState
 
 ROPE_BASE = 10_000.0
 
@@ -63,6 +63,17 @@ class AttentionMixer(torch.nn.Module):
         self.n_head, self.head_dim = n_head, n_embd // n_head
         self.qkv = torch.nn.Linear(n_embd, 3 * n_embd)
         self.proj = torch.nn.Linear(n_embd, n_embd)
+
+    @classmethod
+    def from_config(cls, config: MixerConfig) -> AttentionMixer:
+        return cls(config.n_embd, config.n_head)
+
+    @classmethod
+    def shaping_fields(cls, config: MixerConfig) -> tuple[str, ...]:
+        return ()
+
+    def perturb_(self) -> None:
+        """Nothing to draw: its projections start random, and it has no biases by position or decays."""
 
     def initial_state(self, batch_size: int, device=None) -> MixerState:
         return empty_cache(batch_size, self.n_head, self.head_dim, device)

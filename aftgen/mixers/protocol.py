@@ -1,4 +1,5 @@
-"""What every token mixer provides: a parallel form, a step form and a recurrent state."""
+"""What every token mixer provides: a parallel form, a step form, a recurrent state, and what the rest of
+aftgen needs to know about it (which parameters skip weight decay, whether its state keeps one size, ...)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,17 @@ import torch
 MixerState = dict[str, torch.Tensor]  # per layer; tensors batch-first, plus a 0-dim "position"
 
 
+class MixerConfig(Protocol):
+    """What a mixer reads of the model's config (aftgen.model.AFTConfig), so mixers never import the model."""
+
+    mixer: str  # the mixer's name in the registry (aftgen.mixers.MIXERS)
+    n_embd: int
+    n_head: int
+    window: int
+    context_length: int
+    decay: bool
+
+
 class Mixer(Protocol):
     """A causal token mixer: x (B, T, C) -> (B, T, C), reading only earlier tokens."""
 
@@ -17,6 +29,16 @@ class Mixer(Protocol):
     # Whether the state keeps one size however long the stream: the server can then batch states of
     # different lengths, and a stream can be read past the training length.
     fixed_size_state: bool
+
+    @classmethod
+    def from_config(cls, config: MixerConfig) -> Mixer:
+        """The mixer config.mixer names, sized by the config."""
+        ...
+
+    @classmethod
+    def shaping_fields(cls, config: MixerConfig) -> tuple[str, ...]:
+        """Config fields besides the widths (n_embd, n_head) that set its weights' shapes: fine-tuning keeps them."""
+        ...
 
     def forward(
         self, x: torch.Tensor, state: MixerState | None = None, return_state: bool = False, last_only: bool = False
@@ -38,4 +60,9 @@ class Mixer(Protocol):
     def rephase(self, state: MixerState, from_position: int, to_position: int) -> MixerState:
         """The same state read as if `to_position` tokens had been read instead of `from_position`, so that
         sequences of different lengths can step in one batch (ValueError where the state cannot)."""
+        ...
+
+    def perturb_(self) -> None:
+        """Draw the parameters that start at special values (zero biases, slow decays) at random, in place,
+        from torch's generator, so that tests comparing the forms exercise every term."""
         ...

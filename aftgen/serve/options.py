@@ -7,8 +7,6 @@ from pathlib import Path
 
 from aftgen.errors import AftgenError
 
-STREAMS = (1, 8, 32)  # concurrent streams `aftgen bench serve` drives in turn
-
 
 @dataclass
 class ServeOptions:
@@ -71,21 +69,3 @@ class ServeOptions:
             raise AftgenError(f"--cache-mb must be >= 0 (0 turns the cache off), got {self.cache_mb}")
         if self.sessions_dir is not None and self.sessions_dir.exists() and not self.sessions_dir.is_dir():
             raise AftgenError(f"--sessions-dir {self.sessions_dir} is not a folder")
-
-
-@dataclass
-class BenchServeOptions:
-    model: str | None = None  # None: the shipped model
-    tokens: int = 256  # generated per stream
-    rounds: int = 3  # 1, 8 and 32 streams in turn, this many times; each figure is the best round's
-    threads: int | None = None  # the server's torch threads
-    device: str = "auto"  # the server's --device
-    dtype: str = "auto"  # the server's --dtype
-
-    def check(self) -> None:
-        if not 16 <= self.tokens <= 4096:
-            raise AftgenError(f"--tokens must be between 16 and 4096, got {self.tokens}")
-        if not 1 <= self.rounds <= 100:
-            raise AftgenError(f"--rounds must be between 1 and 100, got {self.rounds}")
-        if self.threads is not None and self.threads < 1:
-            raise AftgenError(f"--threads must be >= 1, got {self.threads}")

@@ -1,6 +1,6 @@
-"""Training a model on a corpus: options (options.py), the loop (loop.py), the run folder (run_folder.py)."""
+"""Training a model on a corpus: options (options.py), the loop (loop.py: `train`), the run folder
+(run_folder.py) and its files (state_file.py, record.py).
 
-from aftgen.training.loop import TrainingInterrupted, train
-from aftgen.training.options import TrainOptions, parse_duration
-
-__all__ = ["TrainOptions", "TrainingInterrupted", "parse_duration", "train"]
+Import from the modules themselves: this package runs nothing, so that its parts (the run's record, which
+model cards and `aftgen plot` read) come without the whole training loop.
+"""

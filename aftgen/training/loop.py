@@ -1,9 +1,9 @@
 """Training: AdamW with warmup and cosine decay, periodic held-out checks, atomic checkpoints, exact resume.
 
-`train` sets up (data, model, optimiser, maybe a resumed state), runs `_loop` (one step after
-another, a held-out check and a checkpoint every eval_interval steps) and finishes with a full
-evaluation of the published weights. Started by torchrun, each process runs it and they train one
-model together (see distributed.py).
+`train` sets up a `Run` (data, model, optimiser, maybe a resumed state: one object owning them), whose
+`loop` takes one step after another, with a held-out check and a checkpoint every eval_interval steps,
+and `finish` evaluates the published weights in full. Started by torchrun, each process runs it and
+they train one model together (see distributed.py).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import math
 import shlex
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from aftgen import curves, data, distributed, evaluate
+from aftgen import curves, distributed, evaluate
 from aftgen.checkpoint import WEIGHTS, read_weights
 from aftgen.corpus import PreparedCorpus, prepare_corpus
 from aftgen.device import Compiled, Placement, resolve
@@ -27,7 +27,7 @@ from aftgen.errors import AftgenError
 from aftgen.mixers import fixed_size_state
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.tokenizer import Tokenizer
-from aftgen.training import probe, recipe
+from aftgen.training import batches, probe, recipe
 from aftgen.training.averaging import WeightAverage
 from aftgen.training.base import BaseModel
 from aftgen.training.optimizer import learning_rate, make_optimizer, set_learning_rate
@@ -64,39 +64,40 @@ def train(options: TrainOptions, quiet: bool = False, on_eval: EvalCallback | No
 
 def _train(options: TrainOptions, placement: Placement, world: World, quiet: bool, on_eval: EvalCallback | None):
     base = BaseModel.find(options.init_from, world) if options.init_from and not options.resume else None
-    run = RunFolder(options, world, base.config if base else None)
+    folder = RunFolder(options, world, base.config if base else None)
     with Reporter(quiet or not world.main) as reporter:
-        corpus = _load_corpus(options, run, base, world, quiet)
-        options, placement = _settle(options, run, corpus, base, placement, world, reporter.log)
-        training = _start(options, run, corpus, base, placement, world, reporter.log)
+        corpus = _load_corpus(options, folder, base, world, quiet)
+        options, placement = _settle(options, folder, corpus, base, placement, world, reporter.log)
+        training = _start(options, folder, corpus, base, placement, world, reporter.log)
+        run = Run(options, folder, corpus, training, placement, world, reporter, on_eval)
         if base is not None:  # where fine-tuning starts: the base model's score on the new held-out text
-            _check_and_save(options, run, corpus, training, 0.0, Meter(), None, reporter, on_eval)
-        stopped_by = _loop(options, run, corpus, training, placement, world, reporter, on_eval)
+            run.check_and_save(0.0, Meter(), None)
+        stopped_by = run.loop()
         if stopped_by:
-            saved = f"saved step {training.step} to {run.path}"
-            reporter.log(f"{stopped_by}: {saved}; continue with: {run.continue_command()}")
-            raise TrainingInterrupted(run.path)
+            saved = f"saved step {training.step} to {folder.path}"
+            reporter.log(f"{stopped_by}: {saved}; continue with: {folder.continue_command()}")
+            raise TrainingInterrupted(folder.path)
         if world.main:
-            _finish(options, run, corpus, training, reporter.log)
-    return run.path
+            run.finish()
+    return folder.path
 
 
-def _load_corpus(options, run: RunFolder, base: BaseModel | None, world: World, quiet: bool) -> PreparedCorpus:
+def _load_corpus(options, folder: RunFolder, base: BaseModel | None, world: World, quiet: bool) -> PreparedCorpus:
     """The corpus prepared (aftgen.corpus: rank 0 trains the tokenizer unless the run has one, one
     process per machine writes the token files), checked to hold at least one training sequence."""
-    tokenizer = Tokenizer.load(run.path / "tokenizer.model") if options.resume else base and base.tokenizer
+    tokenizer = Tokenizer.load(folder.path / "tokenizer.model") if options.resume else base and base.tokenizer
     log = (lambda _: None) if quiet or not world.main else None
     prepared = prepare_corpus(options.sources(), options.corpus_options(), log, tokenizer, world)
-    run.held_out = prepared.held_out
+    folder.held_out = prepared.held_out
     return prepared
 
 
-def _settle(options, run: RunFolder, corpus: PreparedCorpus, base, placement: Placement, world: World, log):
+def _settle(options, folder: RunFolder, corpus: PreparedCorpus, base, placement: Placement, world: World, log):
     """The options the user did not give, filled: on --resume from the run's own record, on a fresh run
     from the recipe (recipe.py, rank 0 measures and the others follow), and fine-tuning keeps its
     defaults; then the model's sizes, checked to fit the corpus. Returns the options and placement."""
     if options.resume:
-        options = run.resumed_options(options)
+        options = folder.resumed_options(options)
     elif base is None:
         vocab_size = corpus.tokenizer.vocab_size
         plan = probe.plan(options, len(corpus.train_ids), vocab_size, placement) if world.main else None
@@ -107,14 +108,14 @@ def _settle(options, run: RunFolder, corpus: PreparedCorpus, base, placement: Pl
             chosen["patience"] = 0  # early stopping publishes the best weights: none without them
         options = replace(options, dtype=plan.dtype)
         options.fill(chosen)
-        run.recipe = plan.to_dict()
+        folder.recipe = plan.to_dict()
         given = replace(plan, **{name: getattr(options, name) for name in RECIPE_FIELDS})
         log(given.describe(corpus.summary["chars"]))  # what will run: the recipe, with the user's options
     options.check()
-    run.settle(options, base.config if base else None)
+    folder.settle(options, base.config if base else None)
     placement = resolve(placement.device, options.dtype)
     train_tokens, held_out_tokens = len(corpus.train_ids), len(corpus.held_out_ids)
-    length = run.settings["context_length"]
+    length = folder.settings["context_length"]
     if train_tokens < length + 2 or held_out_tokens < 2:
         raise AftgenError(
             f"{shlex.join(map(str, options.sources()))}: too small: {train_tokens} training tokens, fewer than one "
@@ -124,38 +125,38 @@ def _settle(options, run: RunFolder, corpus: PreparedCorpus, base, placement: Pl
 
 
 def _start(
-    options, run: RunFolder, corpus: PreparedCorpus, base, placement: Placement, world: World, log
+    options, folder: RunFolder, corpus: PreparedCorpus, base, placement: Placement, world: World, log
 ) -> TrainingState:
     """The model, optimiser and batch generator: fresh from the seed, from a base model's weights
     (the optimiser still fresh), or restored from the run folder."""
     torch.manual_seed(options.seed)
-    config = AFTConfig(vocab_size=corpus.tokenizer.vocab_size, **{k: run.settings[k] for k in MODEL_FIELDS})
+    config = AFTConfig(vocab_size=corpus.tokenizer.vocab_size, **{k: folder.settings[k] for k in MODEL_FIELDS})
     model = AFTLM(config)
     if base is not None:
         base.load_weights_into(model)
-        run.base_model = base.describe(model)
+        folder.base_model = base.describe(model)
         log(f"fine-tuning {base.spec} ({model.num_parameters():,} parameters)")
     model = model.to(placement.device)
     training = TrainingState(model, make_optimizer(model, options), torch.Generator().manual_seed(options.seed))
     if options.ema:
         training.average = WeightAverage(model, options.ema)
     if options.resume:
-        run.resume(training)
-        log(f"resuming {run.path} at step {training.step}")
-        if run.saved_world_size != world.size:
-            log(f"note: trained so far by {run.saved_world_size} processes, now {world.size}: the global batch changes")
+        folder.resume(training)
+        log(f"resuming {folder.path} at step {training.step}")
+        if (before := folder.saved_world_size) != world.size:
+            log(f"note: trained so far by {before} processes, now {world.size}: the global batch changes")
     if world.rank:  # own dropout masks per process (the model's initialisation above is the same everywhere)
         torch.manual_seed(options.seed + 1_000_003 * world.rank + training.step)
-    if run.curves is None and world.main:
+    if folder.curves is None and world.main:
         log(curves.MISSING)
-    run.description = describe_run(options, run, model, placement.describe(), world)
-    batch = run.description["global_batch_size"]
+    folder.description = describe_run(options, folder, model, placement.describe(), world)
+    batch = folder.description["global_batch_size"]
     log(
         f"{model.num_parameters():,} parameters, vocabulary {corpus.tokenizer.vocab_size}, "
         f"{len(corpus.train_ids):,} training tokens, {len(corpus.held_out_ids):,} held-out tokens, "
         f"on {placement.describe()}"
         + (f" x {world.size} processes (global batch {batch})" if world.distributed else "")
-        + f" -> {run.path}"
+        + f" -> {folder.path}"
     )
     return training
 
@@ -197,141 +198,161 @@ class Meter:
         return f"loss {self.mean_loss():.3f}  {self.tokens_per_s():,.0f} tok/s"
 
 
-def _loop(options, run, corpus, training, placement, world, reporter, on_eval) -> str | None:
-    """Train until the step or time budget is spent, or --patience runs out; returns the signal that
-    interrupted it, if one did."""
-    trainer = world.wrap(training.model)
-    if options.compile:
-        trainer = Compiled(trainer, lambda why: reporter.log(f"warning: --compile failed ({why}); running eagerly"))
-    # fp16 needs loss scaling so small gradients do not flush to zero; bf16 and fp32 do not.
-    scaler = torch.amp.GradScaler(placement.device.type, enabled=placement.dtype == torch.float16)
-    clock, meter, stopped_by = Clock(options, training.elapsed), Meter(), None
-    batch_size, length = run.settings["batch_size"], run.settings["context_length"]
-    training.model.train()
-    with Interrupts() as interrupts:
-        while True:
-            # All processes must decide alike: rank 0's clock and a signal to any of them count for all.
-            mine = [clock.elapsed() if world.main else 0.0, float(interrupts.requested is not None)]
-            training.elapsed, stop_votes = world.sum(mine)
-            progress = clock.progress(training.step, training.elapsed)
-            if stop_votes:
-                stopped_by = interrupts.requested or "stop requested on another process"
-            if stop_votes or progress >= 1.0:
-                break
-            lr = learning_rate(options, training.step, progress)
-            set_learning_rate(training.optimizer, lr)
-            inputs, targets = data.batch(corpus.train_ids, batch_size, length, training.generator, *world.slot)
-            loss = _step(trainer, training, scaler, inputs, targets, placement, options.grad_clip, run)
-            meter.add(loss, inputs.numel() * world.size)
-            reporter.update(training.step, progress, meter.status())
-            if training.step % options.eval_interval == 0:
-                _check_and_save(options, run, corpus, training, clock.elapsed(), meter, lr, reporter, on_eval)
-                if _out_of_patience(options, run, world, reporter.log):
+@dataclass
+class Run:
+    """A training run's parts, set up: what the step loop, its held-out checks and its saves all read."""
+
+    options: TrainOptions
+    folder: RunFolder
+    corpus: PreparedCorpus
+    training: TrainingState
+    placement: Placement
+    world: World
+    reporter: Reporter
+    on_eval: EvalCallback | None = None
+
+    def loop(self) -> str | None:
+        """Train until the step or time budget is spent, or --patience runs out; returns the signal that
+        interrupted it, if one did."""
+        options, training, world = self.options, self.training, self.world
+        trainer = world.wrap(training.model)
+        if options.compile:
+            trainer = Compiled(
+                trainer, lambda why: self.reporter.log(f"warning: --compile failed ({why}); running eagerly")
+            )
+        # fp16 needs loss scaling so small gradients do not flush to zero; bf16 and fp32 do not.
+        scaler = torch.amp.GradScaler(self.placement.device.type, enabled=self.placement.dtype == torch.float16)
+        clock, meter, stopped_by = Clock(options, training.elapsed), Meter(), None
+        batch_size, length = self.folder.settings["batch_size"], self.folder.settings["context_length"]
+        training.model.train()
+        with Interrupts() as interrupts:
+            while True:
+                # All processes must decide alike: rank 0's clock and a signal to any of them count for all.
+                mine = [clock.elapsed() if world.main else 0.0, float(interrupts.requested is not None)]
+                training.elapsed, stop_votes = world.sum(mine)
+                progress = clock.progress(training.step, training.elapsed)
+                if stop_votes:
+                    stopped_by = interrupts.requested or "stop requested on another process"
+                if stop_votes or progress >= 1.0:
                     break
-        training.elapsed = clock.elapsed()
-        _final_save(options, run, corpus, training, stopped_by)
-    return stopped_by
+                lr = learning_rate(options, training.step, progress)
+                set_learning_rate(training.optimizer, lr)
+                inputs, targets = batches.batch(
+                    self.corpus.train_ids, batch_size, length, training.generator, *world.slot
+                )
+                loss = self.step(trainer, scaler, inputs, targets)
+                meter.add(loss, inputs.numel() * world.size)
+                self.reporter.update(training.step, progress, meter.status())
+                if training.step % options.eval_interval == 0:
+                    self.check_and_save(clock.elapsed(), meter, lr)
+                    if self.out_of_patience():
+                        break
+            training.elapsed = clock.elapsed()
+            self.final_save(stopped_by)
+        return stopped_by
 
+    def out_of_patience(self) -> bool:
+        """Whether the last `patience` held-out checks all missed the best (rank 0 keeps the score, so it decides)."""
+        patience, folder, world = self.options.patience, self.folder, self.world
+        if not patience:
+            return False
+        spent = world.sum([float(world.main and folder.checks_since_best() >= patience)])[0] > 0
+        if spent and world.main:
+            self.reporter.log(
+                f"stopping early: {patience} held-out checks since the best one (step {folder.best['step']})"
+            )
+        return spent
 
-def _out_of_patience(options: TrainOptions, run: RunFolder, world: World, log) -> bool:
-    """Whether the last `patience` held-out checks all missed the best (rank 0 keeps the score, so it decides)."""
-    if not options.patience:
-        return False
-    spent = world.sum([float(world.main and run.checks_since_best() >= options.patience)])[0] > 0
-    if spent and world.main:
-        log(f"stopping early: {options.patience} held-out checks since the best one (step {run.best['step']})")
-    return spent
+    def step(self, trainer, scaler, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """One optimiser step on a batch; the loss before it."""
+        training, device = self.training, self.placement.device
+        model, optimizer = training.model, training.optimizer
+        inputs, targets = inputs.to(device), targets.to(device)
+        with self.placement.autocast():
+            logits = trainer(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        if not torch.isfinite(loss):
+            raise self.folder.diverged("the loss", training.step + 1)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()  # DDP averages the gradients over the processes here
+        if self.options.grad_clip:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.options.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        training.step += 1
+        if training.average:
+            training.average.update(model, training.step)
+        return loss.item()
 
+    def held_out_nats_per_char(self, model: AFTLM) -> float:
+        """The quick held-out check: evenly spaced windows of the training length (or all of a shorter text)."""
+        ids, chars = self.corpus.held_out_ids, self.corpus.held_out_chars
+        length, chars_per_token = min(model.config.context_length, len(ids) - 1), chars / (len(ids) - 1)
+        return evaluate.window_loss(model, ids, length, self.options.eval_windows) / chars_per_token
 
-def _step(trainer, training: TrainingState, scaler, inputs, targets, placement: Placement, grad_clip, run) -> float:
-    """One optimiser step on a batch; the loss before it."""
-    model, optimizer = training.model, training.optimizer
-    inputs, targets = inputs.to(placement.device), targets.to(placement.device)
-    with placement.autocast():
-        logits = trainer(inputs)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-    if not torch.isfinite(loss):
-        raise run.diverged("the loss", training.step + 1)
-    optimizer.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()  # DDP averages the gradients over the processes here
-    if grad_clip:
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    scaler.step(optimizer)
-    scaler.update()
-    training.step += 1
-    if training.average:
-        training.average.update(model, training.step)
-    return loss.item()
+    def check_and_save(self, elapsed: float, meter: Meter, lr: float | None) -> None:
+        """Every eval_interval steps: a row of metrics from the held-out check, and a checkpoint."""
+        training, world = self.training, self.world
+        train_loss = world.sum([meter.mean_loss()])[0] / world.size if meter.steps else None  # over the global batch
+        if world.main:
+            held_out = self.held_out_nats_per_char(training.published)
+            row = {
+                "step": training.step,
+                "elapsed": round(elapsed, 2),
+                "train_loss": train_loss,
+                "held_out_nats_per_char": held_out,
+                "held_out_bits_per_char": held_out / math.log(2),
+                "tokens_per_s": round(meter.tokens_per_s(), 1),
+                "lr": lr,
+            }
+            raw = ""
+            if training.average:  # how much the average gains over the weights it averages
+                row["raw_weights_held_out_nats_per_char"] = self.held_out_nats_per_char(training.model)
+                raw = f" (raw weights {row['raw_weights_held_out_nats_per_char']:.4f})"
+            improved = self.folder.record(row)
+            trained = f"train loss {train_loss:.4f}, " if train_loss is not None else "before training: "
+            speed = f", {row['tokens_per_s']:,.0f} tok/s" if meter.steps else ""
+            self.reporter.log(
+                f"step {training.step}: {trained}held-out {held_out:.4f} nats/char "
+                f"({row['held_out_bits_per_char']:.4f} bits/char){raw}{speed}"
+            )
+            if self.on_eval:
+                self.on_eval(row)
+            self.folder.save(training, self.corpus.tokenizer, elapsed, improved)
+        meter.reset()
 
+    def final_save(self, stopped_by: str | None) -> None:
+        """The last checkpoint; with keep_best, checked first unless the last step was just checked."""
+        folder, training = self.folder, self.training
+        last_checked = bool(folder.metrics) and folder.metrics[-1]["step"] == training.step
+        improved = False
+        if self.options.keep_best and self.world.main and not stopped_by and not last_checked:
+            improved = folder.is_best(training.step, self.held_out_nats_per_char(training.published))
+        if folder.curves:  # before the save, so that its model card shows them
+            folder.curves.flush()
+        folder.save(training, self.corpus.tokenizer, training.elapsed, improved)
 
-def _held_out_nats_per_char(options: TrainOptions, corpus: PreparedCorpus, model: AFTLM) -> float:
-    """The quick held-out check: evenly spaced windows of the training length (or all of a shorter text)."""
-    ids = corpus.held_out_ids
-    length, chars_per_token = min(model.config.context_length, len(ids) - 1), corpus.held_out_chars / (len(ids) - 1)
-    return evaluate.window_loss(model, ids, length, options.eval_windows) / chars_per_token
-
-
-def _check_and_save(options, run, corpus, training, elapsed, meter, lr, reporter, on_eval) -> None:
-    """Every eval_interval steps: a row of metrics from the held-out check, and a checkpoint."""
-    world = run.world
-    train_loss = world.sum([meter.mean_loss()])[0] / world.size if meter.steps else None  # over the global batch
-    if world.main:
-        held_out = _held_out_nats_per_char(options, corpus, training.published)
-        row = {
-            "step": training.step,
-            "elapsed": round(elapsed, 2),
-            "train_loss": train_loss,
-            "held_out_nats_per_char": held_out,
-            "held_out_bits_per_char": held_out / math.log(2),
-            "tokens_per_s": round(meter.tokens_per_s(), 1),
-            "lr": lr,
-        }
-        raw = ""
-        if training.average:  # how much the average gains over the weights it averages
-            row["raw_weights_held_out_nats_per_char"] = _held_out_nats_per_char(options, corpus, training.model)
-            raw = f" (raw weights {row['raw_weights_held_out_nats_per_char']:.4f})"
-        improved = run.record(row)
-        trained = f"train loss {train_loss:.4f}, " if train_loss is not None else "before training: "
-        speed = f", {row['tokens_per_s']:,.0f} tok/s" if meter.steps else ""
-        reporter.log(
-            f"step {training.step}: {trained}held-out {held_out:.4f} nats/char "
-            f"({row['held_out_bits_per_char']:.4f} bits/char){raw}{speed}"
+    def finish(self) -> None:
+        """Score the published weights (the best ones with keep_best, at their stored precision) on all of
+        the held-out text, and put the score in the card and training.json."""
+        folder, training, corpus, log = self.folder, self.training, self.corpus, self.reporter.log
+        model = training.model.eval()
+        model.load_state_dict(read_weights(folder.path / WEIGHTS, model))
+        if self.options.keep_best:
+            best = folder.best
+            score = best["held_out_nats_per_char"]
+            log(f"keeping the weights of step {best['step']} (quick held-out {score:.4f} nats/char)")
+        # A growing state (attention's KV cache: quadratic time, RoPE untrained past the training length)
+        # is scored in windows of the training length.
+        reset_every = 0 if fixed_size_state(model.config.mixer) else model.config.context_length
+        final = evaluate.evaluate_ids(
+            model, corpus.held_out_ids, corpus.held_out_chars, corpus.held_out_bytes, reset_every
         )
-        if on_eval:
-            on_eval(row)
-        run.save(training, corpus.tokenizer, elapsed, improved)
-    meter.reset()
-
-
-def _final_save(
-    options, run: RunFolder, corpus: PreparedCorpus, training: TrainingState, stopped_by: str | None
-) -> None:
-    """The last checkpoint; with keep_best, checked first unless the last step was just checked."""
-    last_checked = bool(run.metrics) and run.metrics[-1]["step"] == training.step
-    improved = False
-    if options.keep_best and run.world.main and not stopped_by and not last_checked:
-        improved = run.is_best(training.step, _held_out_nats_per_char(options, corpus, training.published))
-    if run.curves:  # before the save, so that its model card shows them
-        run.curves.flush()
-    run.save(training, corpus.tokenizer, training.elapsed, improved)
-
-
-def _finish(options: TrainOptions, run: RunFolder, corpus: PreparedCorpus, training: TrainingState, log) -> None:
-    """Score the published weights (the best ones with keep_best, at their stored precision) on all of
-    the held-out text, and put the score in the card and training.json."""
-    model = training.model.eval()
-    model.load_state_dict(read_weights(run.path / WEIGHTS, model))
-    if options.keep_best:
-        best = run.best
-        score = best["held_out_nats_per_char"]
-        log(f"keeping the weights of step {best['step']} (quick held-out {score:.4f} nats/char)")
-    # A growing state (attention's KV cache: quadratic time, RoPE untrained past the training length)
-    # is scored in windows of the training length.
-    reset_every = 0 if fixed_size_state(model.config.mixer) else model.config.context_length
-    final = evaluate.evaluate_ids(model, corpus.held_out_ids, corpus.held_out_chars, corpus.held_out_bytes, reset_every)
-    run.finish(model, corpus.tokenizer, training.step, training.elapsed, final.to_dict() | {"reset_every": reset_every})
-    log(
-        f"done: {training.step} steps in {training.elapsed:.0f} s; held-out {final.nats_per_char:.4f} nats/char "
-        f"({final.bits_per_char:.4f} bits/char)"
-    )
+        folder.finish(
+            model, corpus.tokenizer, training.step, training.elapsed, final.to_dict() | {"reset_every": reset_every}
+        )
+        log(
+            f"done: {training.step} steps in {training.elapsed:.0f} s; held-out {final.nats_per_char:.4f} nats/char "
+            f"({final.bits_per_char:.4f} bits/char)"
+        )

@@ -11,7 +11,7 @@ from aftgen.corpus import CorpusOptions
 from aftgen.corpus.split import parse_size
 from aftgen.device import DEVICES, DTYPES
 from aftgen.errors import AftgenError
-from aftgen.mixers import MIXERS
+from aftgen.mixers import MIXERS, shaping_fields
 from aftgen.model import PRESETS, AFTConfig
 from aftgen.training.recipe import EVAL_WINDOWS
 
@@ -146,9 +146,8 @@ class TrainOptions:
         for name in FRESH_ONLY:
             if getattr(self, name) is not None and name not in ARCHITECTURE:
                 raise AftgenError(f"{flag(name)}: fine-tuning keeps the base model's tokenizer and sizes; drop it")
-        changed = [name for name in ARCHITECTURE if getattr(self, name) not in (None, getattr(base, name))]
-        if base.mixer == "aft_full" and self.context_length not in (None, base.context_length):
-            changed.append("context_length")  # aft_full's window is its training length
+        kept = (*ARCHITECTURE, *shaping_fields(base))  # aft_full's window, for one, is its training length
+        changed = [name for name in kept if getattr(self, name) not in (None, getattr(base, name))]
         if changed:
             name = changed[0]
             raise AftgenError(
@@ -184,7 +183,7 @@ class TrainOptions:
         if self.init_from:
             return  # the sizes come from the base model, checked against it once it is read (resolved)
         settings = self.resolved()
-        _one_of("--mixer", settings["mixer"], MIXERS)
+        _one_of("--mixer", settings["mixer"], tuple(MIXERS))
         for name in ("batch_size", "n_layer", "n_embd", "n_head", "context_length"):
             if settings[name] <= 0:
                 raise AftgenError(f"{flag(name)} must be positive, got {settings[name]}")

@@ -11,18 +11,7 @@ import torch
 
 from aftgen import curves
 from aftgen.card import model_card
-from aftgen.checkpoint import (
-    TRAINING_INFO,
-    TRAINING_STATE,
-    is_checkpoint,
-    load_training_state,
-    read_run_files,
-    read_training_info,
-    save_checkpoint,
-    save_training_state,
-    write_metrics,
-    write_run_info,
-)
+from aftgen.checkpoint import is_checkpoint, save_checkpoint
 from aftgen.distributed import World
 from aftgen.errors import AftgenError
 from aftgen.files import prepare_folder
@@ -30,6 +19,8 @@ from aftgen.model import AFTLM, AFTConfig
 from aftgen.tokenizer import Tokenizer
 from aftgen.training.averaging import WeightAverage
 from aftgen.training.options import FINE_TUNE_DEFAULTS, RECIPE_FIELDS, TrainOptions
+from aftgen.training.record import TRAINING_INFO, read_run_files, write_metrics, write_run_info
+from aftgen.training.state_file import TRAINING_STATE, load_training_state, read_training_info, save_training_state
 
 
 @dataclass

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from aftgen.bench.options import BenchServeOptions
 from aftgen.cli.common import (
     DeviceOption,
     DtypeOption,
@@ -19,7 +20,6 @@ from aftgen.cli.common import (
     whole_numbers,
 )
 from aftgen.errors import AftgenError
-from aftgen.serve.options import BenchServeOptions
 
 bench_app = typer.Typer(help="Measure speed and memory on this machine (no subcommand: `bench all`).")
 AsJson = Annotated[bool, typer.Option("--json", help="One JSON object per row on stdout.")]
@@ -74,11 +74,11 @@ def bench_all(
     _check_plot(plot)
     set_up_torch()
     progress(f"bench: {', '.join(MIXERS)}; {torch.get_num_threads()} threads; ratios against attention")
-    rows = bench_train(MIXERS, repeats=1, rounds=2, log=progress) + bench_decode(repeats=50, log=progress)
+    rows = bench_train(tuple(MIXERS), repeats=1, rounds=2, log=progress) + bench_decode(repeats=50, log=progress)
     if corpus is None:
         progress("quality rows left out: pass --corpus FILE (e.g. Tiny Shakespeare)")
     else:
-        rows += bench_quality(corpus, quality_time, MIXERS, log=progress)
+        rows += bench_quality(corpus, quality_time, tuple(MIXERS), log=progress)
     _report(rows, as_json, plot)
 
 
@@ -101,7 +101,7 @@ def bench_train_command(
 
     _check_plot(plot)
     chosen = whole_numbers(lengths, "--lengths")
-    names = tuple(name.strip() for name in mixers.split(",")) if mixers else MIXERS
+    names = tuple(name.strip() for name in mixers.split(",")) if mixers else tuple(MIXERS)
     unknown = [name for name in names if name not in MIXERS]
     if unknown:
         raise AftgenError(f"unknown --mixers '{','.join(unknown)}'; choose from: {', '.join(MIXERS)}")
@@ -137,7 +137,7 @@ def bench_quality_command(
 
     require_file(corpus, "file")
     set_up_torch()
-    _report(bench_quality(corpus, seconds, MIXERS, log=progress), as_json, None)
+    _report(bench_quality(corpus, seconds, tuple(MIXERS), log=progress), as_json, None)
 
 
 @bench_app.command("generate")

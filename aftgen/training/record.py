@@ -1,0 +1,33 @@
+"""A training run's record beside its checkpoint: training.json (what the run is and how far it got, for
+people; written last) and metrics.jsonl (one row per held-out check)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from aftgen.errors import AftgenError
+from aftgen.files import atomic_write
+
+TRAINING_INFO, METRICS = "training.json", "metrics.jsonl"
+
+
+def write_run_info(folder: Path, info: dict) -> None:
+    atomic_write(folder / TRAINING_INFO, json.dumps(info, indent=2) + "\n")
+
+
+def write_metrics(folder: Path, rows: list[dict]) -> None:
+    atomic_write(folder / METRICS, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def read_run_files(folder: Path) -> tuple[dict, list[dict]]:
+    """training.json and metrics.jsonl of a run folder (empty where absent)."""
+    try:
+        info = json.loads((folder / TRAINING_INFO).read_text()) if (folder / TRAINING_INFO).exists() else {}
+        lines = (folder / METRICS).read_text().splitlines() if (folder / METRICS).exists() else []
+        metrics = [json.loads(line) for line in lines if line.strip()]
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AftgenError(f"{folder}: cannot read {TRAINING_INFO} or {METRICS} ({exc})") from None
+    if not isinstance(info, dict) or not all(isinstance(row, dict) for row in metrics):
+        raise AftgenError(f"{folder}: {TRAINING_INFO} or {METRICS} does not hold JSON objects")
+    return info, metrics

@@ -1,0 +1,92 @@
+"""A training run's state file, training_state.safetensors: the latest weights, optimiser moments and random
+states, everything `--resume` needs, in one atomic write and no pickle. Its header alone describes the run
+(settings, step, best held-out check)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from aftgen.checkpoint import safetensors_metadata
+from aftgen.errors import AftgenError
+from aftgen.files import atomic_write
+from aftgen.model import AFTLM
+
+TRAINING_STATE = "training_state.safetensors"
+
+
+def save_training_state(
+    folder: Path, model: AFTLM, optimizer: torch.optim.Optimizer, generator, info: dict, average: AFTLM | None = None
+) -> None:
+    """Model, optimiser moments, random states and the weight average if there is one, in one safetensors
+    file (one atomic write, no pickle)."""
+    opt = optimizer.state_dict()
+    models = {"model": model} | ({"average": average} if average is not None else {})
+    tensors = {
+        f"{name}.{k}": v.detach().float().contiguous() for name, m in models.items() for k, v in m.state_dict().items()
+    }
+    for index, slots in opt["state"].items():
+        for key, value in slots.items():
+            tensors[f"optimizer.{index}.{key}"] = torch.as_tensor(value).float().contiguous()
+    tensors["rng.torch"] = torch.get_rng_state()
+    tensors["rng.data"] = generator.get_state()
+    device = next(model.parameters()).device
+    if device.type == "cuda":  # dropout on a GPU draws from the GPU's own generator
+        tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": g["params"]} for g in opt["param_groups"]]
+    metadata = {"info": json.dumps(info), "param_groups": json.dumps(groups)}
+    atomic_write(folder / TRAINING_STATE, save_safetensors(tensors, metadata=metadata))
+
+
+def _bad_training_state(path: Path, exc: Exception) -> AftgenError:
+    return AftgenError(f"{path}: cannot read training state ({str(exc)[:200]}); start again with --overwrite")
+
+
+def read_training_info(folder: Path) -> tuple[dict, list]:
+    """The run's description (settings, step, ...) and the optimiser's param groups, from the state file's header."""
+    path = folder / TRAINING_STATE
+    try:
+        metadata = safetensors_metadata(path)
+        return json.loads(metadata["info"]), json.loads(metadata["param_groups"])
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise _bad_training_state(path, exc) from None
+
+
+def load_training_state(
+    folder: Path, model: AFTLM, optimizer: torch.optim.Optimizer, generator, average: AFTLM | None = None
+) -> dict:
+    """Restore what save_training_state wrote, in place; return the run's description. An average the
+    file lacks (the run had none so far) starts from the restored weights."""
+    path = folder / TRAINING_STATE
+    info, groups = read_training_info(folder)
+    try:
+        tensors = load_safetensors(path.read_bytes())
+        model.load_state_dict(_prefixed(tensors, "model."))
+        if average is not None:
+            average.load_state_dict(_prefixed(tensors, "average.") or model.state_dict())
+        state: dict[int, dict] = {}
+        for name, value in tensors.items():
+            if name.startswith("optimizer."):
+                _, index, key = name.split(".", 2)
+                state.setdefault(int(index), {})[key] = value
+        for group in groups:  # JSON has no tuples
+            group |= {key: tuple(group[key]) for key in ("betas", "ns_coefficients") if key in group}
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        torch.set_rng_state(tensors["rng.torch"])
+        generator.set_state(tensors["rng.data"])
+        device = next(model.parameters()).device
+        if device.type == "cuda" and "rng.cuda" in tensors:
+            torch.cuda.set_rng_state(tensors["rng.cuda"], device)
+    except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise _bad_training_state(path, exc) from None
+    return info
+
+
+def _prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {name[len(prefix) :]: value for name, value in tensors.items() if name.startswith(prefix)}
