@@ -16,6 +16,7 @@ from aftgen.bench.targets import BASELINE, SUBJECT, TARGETS, Row
 from aftgen.device import synchronize
 from aftgen.errors import AftgenError
 from aftgen.mixers import fixed_size_state
+from aftgen.mixers.attention import filled_cache
 from aftgen.model import AFTLM, AFTConfig, compile_step
 from aftgen.sampling import PROMPT_CHUNK
 from aftgen.training.probe import training_step
@@ -135,18 +136,6 @@ def _probe_rows(kind: str, mixer: str, length: int, got: dict) -> list[Row]:
     ]
 
 
-def _filled_attention_cache(model: AFTLM, context: int, room: int = 300) -> list:
-    """A KV cache already holding `context` tokens (random keys and values: a step's cost depends on
-    how many there are, not what they are, and reading 32k tokens through attention takes minutes)."""
-    state = model.initial_state(1)
-    mixer = model.blocks[0].mixer
-    for layer in state:
-        shape = (1, mixer.n_head, context + room, mixer.head_dim)
-        layer["keys"], layer["values"] = torch.randn(shape), torch.randn(shape)
-        layer["position"].fill_(context)
-    return state
-
-
 def bench_decode(repeats: int = 100, log: Log = print) -> list[Row]:
     """Per-token latency at batch 1 after 1k, 8k, 32k tokens, and the state's size: aft_local's
     recurrent state against attention's KV cache, each with the fastest step aftgen has for it.
@@ -163,10 +152,11 @@ def bench_decode(repeats: int = 100, log: Log = print) -> list[Row]:
         step, note = compile_step(model) if fixed_size_state(mixer) else (model.step, "eager")
         state = model.initial_state(1)
         for context in DECODE_CONTEXTS:
-            if mixer == BASELINE:
-                state = _filled_attention_cache(model, context)
-            else:  # the real thing: read random tokens in the parallel form
+            if fixed_size_state(mixer):  # the real thing: read random tokens in the parallel form
                 state = read_until(model, ids, state, context)
+            else:
+                heads, head_dim = model.blocks[0].mixer.n_head, model.blocks[0].mixer.head_dim
+                state = [filled_cache(1, heads, head_dim, context, room=300) for _ in state]
             new = _decode_rows(model, step, note, state, mixer, context, repeats)
             rows += new
             latency, size = new[0]["value"], new[-1]["value"]

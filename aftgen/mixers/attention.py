@@ -33,6 +33,14 @@ def empty_cache(batch: int, heads: int, head_dim: int, device=None) -> MixerStat
     }
 
 
+def filled_cache(batch: int, heads: int, head_dim: int, tokens: int, room: int) -> MixerState:
+    """A KV cache already holding `tokens` random keys and values, with room for `room` more: what a
+    step costs depends on how many there are, not what they are (the decode benchmark's long contexts,
+    which would take minutes to read through attention)."""
+    shape = (batch, heads, tokens + room, head_dim)
+    return {"keys": torch.randn(shape), "values": torch.randn(shape), "position": torch.tensor(tokens)}
+
+
 def append_to_cache(cache: MixerState, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Write k, v (B, H, T, D) after the cached tokens, in place; return all keys and values so far.
 
