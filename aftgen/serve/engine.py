@@ -215,11 +215,7 @@ class Engine:
         work = ticket.work
         if work.session is None:
             prompt = PromptReader(self.model, opening(self.tokenizer, work.prompt, None), seed=work.options.seed)
-            hit = self.cache.lookup(prompt.ids) if self.cache else None
-            if hit is None:
-                return Reader(ticket, prompt)
-            prompt.skip(hit.state, hit.logits, hit.tokens)
-            return Reader(ticket, prompt, cached=hit.tokens)
+            return Reader(ticket, prompt, cached=self._from_cache(prompt))
         if work.session in self.busy_sessions:
             message = f"session '{work.session}' is busy with another request; send the next one when it has finished"
             return Failed(409, message, "invalid_request_error", "session_busy")
@@ -230,6 +226,14 @@ class Engine:
         self.busy_sessions.add(work.session)
         ids = opening(self.tokenizer, work.prompt, context)
         return Reader(ticket, PromptReader(self.model, ids, context, work.options.seed))
+
+    def _from_cache(self, prompt: PromptReader) -> int:
+        """Start `prompt` after the longest prefix of it the cache holds; returns that prefix's length."""
+        hit = self.cache.lookup(prompt.ids) if self.cache else None
+        if hit is None:
+            return 0
+        prompt.skip(hit.state, hit.logits, hit.tokens)
+        return hit.tokens
 
     def _read(self) -> None:
         """Read up to prompt_chunk prompt tokens, from the longest-waiting readers first."""
@@ -355,8 +359,6 @@ class Engine:
         """
         reply = "".join(row.parts) + row.ticket.work.reply_suffix
         prompt = PromptReader(self.model, row.prompt + self.tokenizer.encode(reply))
-        hit = self.cache.lookup(prompt.ids)
-        if hit is not None:
-            prompt.skip(hit.state, hit.logits, hit.tokens)
+        self._from_cache(prompt)
         if prompt.read():
             self.cache.put(prompt.ids, prompt.context.state, prompt.context.logits)
