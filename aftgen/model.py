@@ -29,6 +29,14 @@ LIMITS = {"vocab_size": 1 << 20, "n_layer": 1024, "n_embd": 1 << 16, "n_head": 1
           "context_length": 1 << 20, "mlp_ratio": 64}  # fmt: skip
 MAX_PARAMETERS = 1 << 32  # 16 GiB of fp32 weights
 
+# The MLP's nonlinearity. ReLU squared (So et al. 2021, "Primer"; modded-nanogpt) with weight decay 1.0 learns
+# faster on small corpora (docs/recipe.md), so the training recipe chooses it; GELU is GPT-2's, and what every
+# model trained before the recipe chose it (a config.json without "activation") was built with.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "relu2": lambda x: F.relu(x).square(),
+}
+
 # Model sizes (and the batch size that suits them), among which training's recipe chooses for the corpus
 # and the budget (aftgen/training/recipe.py). "tiny" is for tests; "medium" is the shipped model (under
 # 16 MB in fp16); "large" is for large corpora and GPUs.
@@ -54,6 +62,7 @@ class AFTConfig:
     decay: bool = True
     dropout: float = 0.0
     mlp_ratio: int = 4
+    activation: str = "gelu"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -82,6 +91,8 @@ class AFTConfig:
             raise AftgenError(f"window ({self.window}) must be between 0 and context_length ({self.context_length})")
         if self.mixer not in MIXERS:
             raise AftgenError(f"unknown mixer '{self.mixer}'; choose one of: {', '.join(MIXERS)}")
+        if self.activation not in ACTIVATIONS:
+            raise AftgenError(f"unknown activation '{self.activation}'; choose one of: {', '.join(ACTIVATIONS)}")
         if not 0.0 <= self.dropout < 1.0:
             raise AftgenError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -132,9 +143,10 @@ class MLP(nn.Module):
         super().__init__()
         self.up = nn.Linear(config.n_embd, config.mlp_ratio * config.n_embd)
         self.proj = nn.Linear(config.mlp_ratio * config.n_embd, config.n_embd)
+        self.activation = ACTIVATIONS[config.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.up(x)))
+        return self.proj(self.activation(self.up(x)))
 
 
 class Block(nn.Module):

@@ -6,8 +6,9 @@ import pytest
 import torch
 from conftest import DEVICE, on_device
 
+from aftgen.errors import AftgenError
 from aftgen.mixers.aft import AFTMixer, aft_naive, aft_parallel, aft_step, empty_state, soft_cap
-from aftgen.model import AFTLM, AFTConfig
+from aftgen.model import ACTIVATIONS, AFTLM, AFTConfig
 
 
 def random_inputs(B=2, T=40, H=3, D=4, s=5, seed=0, key_scale=3.0):
@@ -75,8 +76,9 @@ def tiny_model(seed=0, **overrides) -> AFTLM:
     return model
 
 
-def test_model_parallel_equals_recurrent_over_1000_tokens():
-    model = tiny_model()
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_model_parallel_equals_recurrent_over_1000_tokens(activation):
+    model = tiny_model(activation=activation)
     ids = on_device(torch.randint(0, 50, (1, 1100), generator=torch.Generator().manual_seed(1)))
     with torch.inference_mode():
         parallel = model(ids)
@@ -93,6 +95,14 @@ def test_gradients_reach_every_parameter():
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
     assert all(block.mixer.w.grad.abs().sum() > 0 for block in model.blocks)
+
+
+def test_a_config_without_an_activation_is_a_gelu_model_as_before():
+    saved = AFTConfig(vocab_size=50).to_dict()
+    del saved["activation"]  # config.json of a model trained before the field
+    assert AFTConfig.from_dict(saved).activation == "gelu"
+    with pytest.raises(AftgenError, match="unknown activation 'swish'; choose one of: gelu, relu2"):
+        AFTConfig.from_dict(saved | {"activation": "swish"})
 
 
 def test_huge_keys_and_long_sequences_stay_finite():

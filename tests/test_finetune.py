@@ -53,6 +53,7 @@ def metrics(out) -> list[dict]:
         (["--layers", "3"], "--layers 3 contradicts the base model (n_layer 2)"),
         (["--vocab-size", "500"], "--vocab-size 500 contradicts the base model (vocab_size 400)"),
         (["--mixer", "attention"], "--mixer attention contradicts the base model (mixer aft_local)"),
+        (["--activation", "gelu"], "--activation gelu contradicts the base model (activation relu2)"),
         (["--preset", "small"], "--preset: fine-tuning keeps the base model's tokenizer and sizes"),
     ],
 )

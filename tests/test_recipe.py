@@ -124,6 +124,15 @@ def test_training_json_records_the_recipe_and_explicit_options_win(tmp_path, cor
     assert info["settings"]["dropout"] == 0.05
 
 
+def test_the_recipe_builds_relu2_and_an_explicit_activation_wins(tmp_path, corpus, one_thread):
+    chosen = train_tiny(corpus, tmp_path / "recipe", max_steps=2, eval_interval=None)
+    assert json.loads((chosen / "config.json").read_text())["activation"] == recipe.ACTIVATION == "relu2"
+    given = train_tiny(corpus, tmp_path / "old", max_steps=2, eval_interval=None, activation=recipe.FIXED["activation"])
+    assert json.loads((given / "config.json").read_text())["activation"] == "gelu"  # as before the recipe
+    info = json.loads((given / TRAINING_INFO).read_text())
+    assert info["recipe"]["activation"] == "relu2" and info["options"]["activation"] == "gelu"
+
+
 def test_resume_goes_on_with_the_recipe_it_started_with(tmp_path, corpus, one_thread, monkeypatch):
     out = train_tiny(corpus, tmp_path / "run", max_steps=4, eval_interval=None, dtype="auto")
     first = json.loads((out / TRAINING_INFO).read_text())

@@ -25,6 +25,7 @@ from aftgen.cli.common import (
 )
 from aftgen.corpus import CorpusOptions
 from aftgen.mixers import MIXERS
+from aftgen.model import ACTIVATIONS
 from aftgen.training.options import FINE_TUNE_DEFAULTS, FINE_TUNE_STEPS, flag
 from aftgen.training.options import TrainOptions as Defaults
 from aftgen.training.recipe import DEFAULT_BUDGET
@@ -74,6 +75,9 @@ def train(
     dropout: Annotated[float | None, _option(_defaults(), MODEL_PANEL)] = None,
     decay: Annotated[
         bool | None, _option("Learned decay beyond the window (off: the paper's AFT-local).", MODEL_PANEL)
+    ] = None,
+    activation: Annotated[
+        str | None, _option("The MLP's: " + " | ".join(ACTIVATIONS) + "." + _defaults(), MODEL_PANEL)
     ] = None,
     max_steps: Annotated[
         int | None, _option(f"Step budget (default: none; fine-tuning: {FINE_TUNE_STEPS}).", TRAIN_PANEL)

@@ -16,15 +16,15 @@ from aftgen.model import PRESETS, AFTConfig
 from aftgen.training.recipe import EVAL_WINDOWS
 
 # AFTConfig fields a run may set (the rest come from the tokenizer); None in TrainOptions means "the preset's".
-MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "window", "context_length", "dropout", "decay", "mixer")
+MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "window", "context_length", "dropout", "decay", "mixer", "activation")
 # What fine-tuning keeps from its base model; dropout, context length, batch and schedule may change.
-ARCHITECTURE = ("n_layer", "n_embd", "n_head", "window", "decay", "mixer", "vocab_size")
+ARCHITECTURE = ("n_layer", "n_embd", "n_head", "window", "decay", "mixer", "activation", "vocab_size")
 OPTIMIZERS = ("adamw", "muon")
 FLAGS = {"n_layer": "--layers", "n_embd": "--width", "n_head": "--heads"}  # options named unlike their field
 # What a fresh run's recipe (recipe.py) sets unless the user gives it: chosen from the corpus, the budget
 # and the machine's speed once the corpus is read. None in TrainOptions means "not given".
-RECIPE_FIELDS = ("preset", "optimizer", "dropout", "weight_decay", "ema", "lr", "warmup_steps", "eval_interval",
-                 "eval_windows", "keep_best", "patience", "max_time")  # fmt: skip
+RECIPE_FIELDS = ("preset", "activation", "optimizer", "dropout", "weight_decay", "ema", "lr",
+                 "warmup_steps", "eval_interval", "eval_windows", "keep_best", "patience", "max_time")  # fmt: skip
 # Fine-tuning keeps its own defaults (nanoGPT's finetune_shakespeare: a lower learning rate, a short
 # warmup, only the best weights kept): a base model is a few steps from useful, so it is checked often.
 FINE_TUNE_DEFAULTS = {"lr": 1e-3, "warmup_steps": 5, "eval_interval": 50, "eval_windows": EVAL_WINDOWS,
@@ -56,6 +56,7 @@ class TrainOptions:
     dropout: float | None = None
     decay: bool | None = None
     mixer: str | None = None
+    activation: str | None = None  # the MLP's (model.ACTIVATIONS)
     lr: float | None = None
     min_lr_ratio: float = 0.1
     weight_decay: float | None = None
@@ -135,7 +136,9 @@ class TrainOptions:
             preset = self.preset or FRESH_ONLY["preset"]
             if preset not in PRESETS:
                 raise AftgenError(f"unknown preset '{preset}'; choose one of: {', '.join(PRESETS)}")
-            settings = {"dropout": 0.0, "decay": True, "mixer": "aft_local", **PRESETS[preset]}
+            # AFTConfig's defaults: what an older run folder's record, without these fields, was trained with
+            settings = {name: getattr(AFTConfig, name) for name in ("dropout", "decay", "mixer", "activation")}
+            settings |= PRESETS[preset]
         for name in (*MODEL_FIELDS, "batch_size"):
             if getattr(self, name) is not None:
                 settings[name] = getattr(self, name)

@@ -83,5 +83,5 @@ def _dtype(options: TrainOptions, preset: str, vocab_size: int, placement: Place
 
 def _model(options: TrainOptions, preset: str, vocab_size: int) -> tuple[AFTConfig, int]:
     """The config and batch size of `preset` with the user's sizes laid over it."""
-    settings = replace(options, preset=preset).resolved()
+    settings = replace(options, preset=preset, activation=options.activation or recipe.ACTIVATION).resolved()
     return AFTConfig(vocab_size=vocab_size, **{name: settings[name] for name in MODEL_FIELDS}), settings["batch_size"]
