@@ -44,9 +44,16 @@ def test_the_default_budget_on_shakespeare_trains_the_small_model_heavily_regula
     assert chosen.steps >= recipe.MIN_STEPS and chosen.optimizer == "adamw"
 
 
-def test_a_run_that_reads_its_text_a_few_times_is_not_regularised():
+def test_a_run_that_reads_its_text_a_few_times_gets_no_dropout_or_average():
     chosen = choose(SHAKESPEARE, 1024, max_time=120, max_steps=None, speed=speeds(CPU))
     assert chosen.passes < 8 and chosen.dropout == 0.0 and chosen.ema == 0.0 and chosen.keep_best
+
+
+def test_weight_decay_is_heavy_only_for_a_text_read_many_times():
+    twice = choose(SHAKESPEARE, 1024, max_time=None, max_steps=400, speed=speeds({}), presets=("small",))
+    often = choose(SHAKESPEARE, 1024, max_time=None, max_steps=1400, speed=speeds({}), presets=("small",))
+    assert twice.passes < 4 < often.passes
+    assert twice.weight_decay == 0.1 and often.weight_decay == 1.0
 
 
 def test_a_larger_corpus_and_budget_train_a_larger_model():
