@@ -32,7 +32,7 @@ def test_the_check_runs_every_stage_on_the_cpu_and_reports_each(tmp_path, corpus
     results = json.loads((out / "results.json").read_text())
     stages = {stage["name"]: stage for stage in results["stages"]}
     assert list(stages) == STAGES and results["passed"] and results["device"] == "cpu"
-    assert stages["suite"]["figures"]["passed"] == 1 and stages["suite"]["figures"]["failed"] == 0
+    assert stages["suite"]["figures"]["passed"] >= 1 and stages["suite"]["figures"]["failed"] == 0
     assert stages["parity"]["figures"]["fp32_max_diff"] < 1e-3
     for run in ("train_bf16", "train_compile"):
         assert stages[run]["figures"]["steps"] > 0 and stages[run]["figures"]["nats_per_char"] > 0
