@@ -30,8 +30,8 @@ LIMITS = {"vocab_size": 1 << 20, "n_layer": 1024, "n_embd": 1 << 16, "n_head": 1
 MAX_PARAMETERS = 1 << 32  # 16 GiB of fp32 weights
 
 # The MLP's nonlinearity. ReLU squared (So et al. 2021, "Primer"; modded-nanogpt) with weight decay 1.0 learns
-# faster on small corpora (docs/recipe.md), so the training recipe chooses it; GELU is GPT-2's, and what every
-# model trained before the recipe chose it (a config.json without "activation") was built with.
+# faster on small corpora (docs/recipe.md), so the training recipe chooses it. GELU is GPT-2's: a config.json
+# without "activation" (every model trained before the recipe chose ReLU squared, the shipped one too) is GELU.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "relu2": lambda x: F.relu(x).square(),
