@@ -26,8 +26,9 @@ lint: install
 # three checks of patience; tests/test_recipe.py holds it to that); SHIPPED names only what it would
 # not choose (GELU too: the model was trained before the recipe chose ReLU squared). The weights are
 # stored in fp16 to stay under 16 MB; only the weights, config and tokenizer are copied into the package
-# (models/shakespeare/README.md, the card, is written by hand from the run's numbers). The corpus is downloaded (and its SHA-256 checked) unless SHAKESPEARE names a copy that is
-# already there; SHAKESPEARE_URL=... downloads it from a mirror.
+# (models/shakespeare/README.md, the card, is written by hand from the run's numbers). The corpus is
+# downloaded (and its SHA-256 checked) unless SHAKESPEARE names a copy that is already there;
+# SHAKESPEARE_URL=... downloads it from a mirror.
 SHAKESPEARE ?= data/tinyshakespeare.txt
 SHIPPED = --preset medium --vocab-size 1536 --dropout 0.35 --weight-decay 0.3 --warmup-steps 150 --eval-windows 200 \
 	--dtype bf16 --weights-dtype fp16 --activation gelu
