@@ -143,17 +143,6 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def set_threads(threads: int | None = None) -> int:
-    """Set torch's CPU threads: `threads`, or the physical cores shared among this machine's processes."""
-    if threads is not None and threads < 1:
-        raise AftgenError(f"--threads must be >= 1, got {threads}")
-    if threads is None:
-        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun: N processes share the cores
-        threads = max(1, physical_cores() // max(1, processes))
-    torch.set_num_threads(threads)
-    return threads
-
-
 class Compiled:
     """`function` through torch.compile, or `function` itself where compiling fails.
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from aftgen import cores
 from aftgen.corpus.encode import WordEncoder, chunks
 from aftgen.corpus.sources import Document, read_document
 from aftgen.device import release_freed_memory
@@ -73,6 +74,7 @@ def score_stream(
             logits, state = model.prefill(buffer[None, :count], state)
             targets = buffer[1 : count + 1].to(logits.device)
             yield F.cross_entropy(logits[0].float(), targets, reduction="none").cpu()
+            cores.adapt()
             buffer, position = buffer[count:], position + count
 
 

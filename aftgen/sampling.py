@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from aftgen import cores
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, ModelState, PrefillFunction, StepFunction, clone_state
 from aftgen.tokenizer import Tokenizer
@@ -418,6 +419,7 @@ def generate(
         token = stream.next_token()
         logits, _ = step(token, context.state)
         text = stream.accept(token, logits)
+        cores.adapt()
         if text:
             yield text
     if not stream.stopped:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, TypeVar
 
+import click
 import typer
 
 from aftgen.corpus import CorpusOptions
@@ -160,20 +161,25 @@ def options_from(cls: type[Options], parameters: dict, **overrides) -> Options:
     return cls(**{name: value for name, value in parameters.items() if name in names} | overrides)
 
 
-def set_up_torch(threads: int | None = None) -> None:
-    """Set torch's CPU threads and keep freed memory for reuse; called before any torch work, since
-    torch fixes its threads on first use."""
-    from aftgen.device import reuse_freed_memory, set_threads
+def set_up_torch(threads: int | None = None, reserve: int = 0, busy: bool = True) -> None:
+    """Set torch's CPU threads (this command's share of the cores, see aftgen.cores) and keep freed memory
+    for reuse; called before any torch work, since torch fixes its threads on first use."""
+    from aftgen import cores
+    from aftgen.device import reuse_freed_memory
 
+    if threads is not None and threads < 1:
+        raise AftgenError(f"--threads must be >= 1, got {threads}")
     reuse_freed_memory()
-    set_threads(threads)
+    context = click.get_current_context(silent=True)
+    command = context.command_path.partition(" ")[2] if context else "python"
+    cores.claim(command or "python", threads, reserve, busy)
 
 
-def placement(hardware: dict):
+def placement(hardware: dict, reserve: int = 0, busy: bool = True):
     """Threads first, then the device and dtype (HARDWARE_OPTIONS): one call for every command that runs a model."""
     from aftgen.device import resolve
 
-    set_up_torch(hardware["threads"])
+    set_up_torch(hardware["threads"], reserve, busy)
     return resolve(hardware["device"], hardware["dtype"])
 
 

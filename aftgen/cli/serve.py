@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from aftgen.cli.common import HARDWARE_PANEL, DeviceOption, DtypeOption, ModelOption, command, options_from, placement
+from aftgen.serve.options import HTTP_CORES
 from aftgen.serve.options import ServeOptions as Defaults
 
 SERVE_PANEL, LIMITS_PANEL = "Server", "Limits"
@@ -55,7 +56,7 @@ def serve(
     threads: Annotated[
         int | None,
         typer.Option(
-            help="CPU threads (default: the physical cores but one, left to the HTTP side).",
+            help="CPU threads (default: its share of the physical cores, less one left to the HTTP side).",
             rich_help_panel=HARDWARE_PANEL,
         ),
     ] = None,
@@ -67,4 +68,5 @@ def serve(
     options = options_from(Defaults, locals())
     options.check()
     require_serve_extra()
-    run_server(options, placement({"device": device, "dtype": dtype, "threads": options.torch_threads()}))
+    hardware = {"device": device, "dtype": dtype, "threads": threads}
+    run_server(options, placement(hardware, reserve=HTTP_CORES, busy=False))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from aftgen import cores
 from aftgen.device import Placement
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, tokens_read
@@ -153,6 +154,7 @@ class Engine:
         self._read()
         self._step()
         self._flush()
+        cores.adapt(busy=bool(self.batch.rows or self.reading or self.waiting))
 
     def _emit(self, ticket: Ticket, event: Event) -> None:
         self.outbox.append((ticket, event))

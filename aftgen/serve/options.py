@@ -7,6 +7,11 @@ from pathlib import Path
 
 from aftgen.errors import AftgenError
 
+# Cores left to the HTTP side, which formats and sends every token of every stream while the model steps:
+# torch's threads spinning on every core starve it (measured with 32 streams on a busy 2-core machine:
+# p99 inter-token latency 72 ms on one thread, 120 ms on two).
+HTTP_CORES = 1
+
 
 @dataclass
 class ServeOptions:
@@ -29,15 +34,7 @@ class ServeOptions:
     prompt_chunk: int = 256  # prompt tokens read between two batched steps
     device: str = "auto"
     dtype: str = "auto"
-    threads: int | None = None  # torch's CPU threads; None: the physical cores but one (see torch_threads)
-
-    def torch_threads(self) -> int:
-        """`threads`, or every physical core but one: the HTTP side formats and sends every token of every
-        stream while the model steps, and torch's threads spinning on every core starve it (measured
-        with 32 streams on a busy 2-core machine: p99 inter-token latency 72 ms on one thread, 120 ms on two)."""
-        from aftgen.device import physical_cores
-
-        return self.threads if self.threads is not None else max(1, physical_cores() - 1)
+    threads: int | None = None  # torch's CPU threads; None: its share of the cores, less HTTP_CORES
 
     def check(self) -> None:
         """Refuse values outside their meaning, before the model is loaded."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from aftgen import curves, distributed, evaluate
+from aftgen import cores, curves, distributed, evaluate
 from aftgen.checkpoint import WEIGHTS, read_weights
 from aftgen.corpus import PreparedCorpus, prepare_corpus
 from aftgen.device import Compiled, Placement, resolve
@@ -241,6 +241,7 @@ class Run:
                     self.corpus.train_ids, batch_size, length, training.generator, *world.slot
                 )
                 loss = self.step(trainer, scaler, inputs, targets)
+                cores.adapt()
                 meter.add(loss, inputs.numel() * world.size)
                 self.reporter.update(training.step, progress, meter.status())
                 if training.step % options.eval_interval == 0:

@@ -1,0 +1,246 @@
+"""The CPU cores shared with the other aftgen processes on the machine, instead of fought over.
+
+torch gives a process one thread per core, and its OpenMP threads spin while they wait for work. Two
+processes that each take every core then take turns badly on every small operation: two trainings side
+by side on 2 cores made 0.03x the steps of one alone. A blanket passive wait policy cures that but costs a
+process alone half its speed. So each aftgen process that computes writes a small entry in a registry
+under the cache folder (`running/<pid>.json`), counts the live ones that are busy, and takes its share of
+the physical cores: alone, all of them; beside another, half. Then no thread ever waits for a core, and
+spinning costs nothing. Long loops (a training step, a generated token, a server's turn) call `adapt()`,
+which looks again every few seconds and follows the change, so a run gets its cores back when the other
+one ends, and a server gives its share back while no request runs. `--threads N` fixes the count.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOLO_VARIABLE = "AFTGEN_SOLO"  # set: every core and no registry (the behaviour before it; a bench of one job alone)
+LOOK_EVERY = 2.0  # seconds between two looks at the registry: a look costs about 0.1 ms, a wrong share far more
+IDLE_AFTER = 1.0  # seconds without work before a server gives its share back (a client's next request is quick)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """An aftgen process in the registry."""
+
+    pid: int
+    command: str
+    busy: bool
+
+
+def fair_share(cores: int, busy_pids: list[int], pid: int, most: int) -> int:
+    """This process's threads: the cores split evenly among the busy processes (the first ones in PID order
+    take one more where they do not divide), at most `most`, at least one."""
+    others = sorted(p for p in busy_pids if p != pid)
+    index, count = sum(p < pid for p in others), len(others) + 1
+    share = cores // count + (index < cores % count)
+    return max(1, min(most, share))
+
+
+class Registry:
+    """The aftgen processes on this machine: one JSON file per process, named by its PID."""
+
+    def __init__(self, folder: Path, pid: int | None = None) -> None:
+        self.folder, self.pid = folder, pid or os.getpid()
+
+    @property
+    def entry(self) -> Path:
+        return self.folder / f"{self.pid}.json"
+
+    def write(self, command: str, busy: bool) -> None:
+        """Add or update this process's entry (written whole, then renamed: a reader never sees half)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        record = {"pid": self.pid, "started": _start_time(self.pid), "command": command, "busy": busy}
+        partial = self.folder / f".{self.pid}.partial"
+        partial.write_text(json.dumps(record))
+        os.replace(partial, self.entry)
+
+    def leave(self) -> None:
+        with contextlib.suppress(OSError):
+            self.entry.unlink()
+
+    def peers(self) -> list[Peer]:
+        """The live processes' entries, this one's too; the entries of processes that have died are removed."""
+        found = []
+        for path in self.folder.glob("*.json"):
+            record = _read(path)
+            if record is None:
+                continue
+            if not _alive(record["pid"], record.get("started")):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            found.append(Peer(record["pid"], str(record.get("command", "")), bool(record.get("busy"))))
+        return found
+
+
+def _read(path: Path) -> dict | None:
+    """An entry, or None for one that cannot be read or is not an entry (it is left alone)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("pid"), int) or record["pid"] <= 0:
+        return None
+    return record
+
+
+def _start_time(pid: int) -> str | None:
+    """When `pid` started, in clock ticks since boot (Linux), so that a reused PID is not taken for the old process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]  # field 22; the command name before ")" may hold spaces
+
+
+def _alive(pid: int, started: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        pass
+    except OverflowError:
+        return False
+    return started is None or _start_time(pid) in (None, started)
+
+
+class ThreadShare:
+    """This process's CPU threads: `fixed` if the user chose them, else its fair share of the cores."""
+
+    def __init__(
+        self,
+        registry: Registry | None,
+        command: str,
+        cores: int,
+        fixed: int | None = None,
+        reserve: int = 0,
+        busy: bool = True,
+        say: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry, self.command, self.cores, self.fixed = registry, command, cores, fixed
+        self.pid = registry.pid if registry is not None else os.getpid()
+        self.most = max(1, cores - reserve)  # a server keeps a core for its HTTP side
+        self.busy, self.say, self.clock = busy, say or _to_stderr, clock
+        self.idle_since: float | None = None
+        self.threads, self.looked, self.reason = 0, float("-inf"), ""
+        if registry is not None:
+            with contextlib.suppress(OSError):  # a cache folder that cannot be written: every core, as before
+                registry.write(command, busy)
+
+    def look(self) -> int:
+        """Count the busy processes now and take this one's share; returns the threads chosen."""
+        self.looked = self.clock()
+        threads = self.fixed or self._share()
+        if threads != self.threads:
+            torch.set_num_threads(threads)
+            if threads < self.most and self.reason:
+                self.say(f"threads: {threads} of {self.cores} cores, {self.reason}")
+            elif self.threads:
+                self.say(f"threads: {threads} of {self.cores} cores again, now that the machine is free")
+            self.threads = threads
+        return threads
+
+    def _share(self) -> int:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's processes, before they register
+        peers = self._peers()
+        others = [p for p in peers if p.busy and p.pid != self.pid]
+        pids = [p.pid for p in others] + [self.pid]
+        if len(pids) < local_world:
+            self.reason = f"shared among torchrun's {local_world} processes"
+            return max(1, min(self.most, self.cores // local_world))
+        self.reason = "shared with " + ", ".join(f"aftgen {p.command} (pid {p.pid})" for p in others)
+        return fair_share(self.cores, pids, self.pid, self.most)
+
+    def _peers(self) -> list[Peer]:
+        if self.registry is None:
+            return []
+        try:
+            return self.registry.peers()
+        except OSError:
+            return []
+
+    def adapt(self, busy: bool | None = None) -> None:
+        """Called often from a loop that computes: say whether there is work (a server), and every LOOK_EVERY
+        seconds take this process's share again. Costs a clock read when nothing is due."""
+        now = self.clock()
+        if busy is not None:
+            if busy or self.idle_since is None:
+                self.idle_since = None if busy else now
+            if busy != self.busy and (busy or now - self.idle_since >= IDLE_AFTER):
+                self.mark(busy)
+        if now - self.looked >= LOOK_EVERY:
+            self.look()
+
+    def mark(self, busy: bool) -> None:
+        """Tell the others whether this process computes now; one that starts work takes its share at once."""
+        self.busy = busy
+        if self.registry is not None:
+            with contextlib.suppress(OSError):
+                self.registry.write(self.command, busy)
+        if busy:
+            self.look()
+
+    def leave(self) -> None:
+        if self.registry is not None:
+            self.registry.leave()
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+_share: ThreadShare | None = None
+
+
+def claim(command: str, fixed: int | None = None, reserve: int = 0, busy: bool = True) -> int:
+    """Join the registry as `command` and set torch's threads to this process's share; returns them.
+
+    `fixed`: the user's --threads (still registered, so that the others make room). `reserve`: cores left
+    to other work in this process. `busy=False`: a process that waits for work (a server, a chat) and says
+    when it has some, through adapt(busy=...) or working()."""
+    global _share
+    from aftgen.corpus.cache import cache_dir
+    from aftgen.device import physical_cores
+
+    _leave()
+    registry = None if os.environ.get(SOLO_VARIABLE) else Registry(cache_dir() / "running")
+    _share = ThreadShare(registry, command, physical_cores(), fixed, reserve, busy)
+    return _share.look()
+
+
+def adapt(busy: bool | None = None) -> None:
+    """Follow the other processes' comings and goings (ThreadShare.adapt); a no-op before claim()."""
+    if _share is not None:
+        _share.adapt(busy)
+
+
+@contextlib.contextmanager
+def working() -> Iterator[None]:
+    """Busy inside, waiting after: a chat computing a reply, then reading the user's next line."""
+    if _share is not None:
+        _share.mark(True)
+    try:
+        yield
+    finally:
+        if _share is not None:
+            _share.mark(False)
+
+
+@atexit.register
+def _leave() -> None:
+    if _share is not None:
+        _share.leave()

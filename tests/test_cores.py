@@ -1,0 +1,155 @@
+"""CPU threads shared among aftgen processes: the decision, on a fake view of the machine (a registry folder
+of our own, a clock we move by hand); nothing here is timed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from aftgen import cores
+from aftgen.cores import IDLE_AFTER, LOOK_EVERY, Registry, ThreadShare, fair_share
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def share(tmp_path, count: int = 2, **options) -> tuple[ThreadShare, list[str], Clock]:
+    said, clock = [], Clock()
+    return ThreadShare(Registry(tmp_path), "train", count, say=said.append, clock=clock, **options), said, clock
+
+
+def peer(tmp_path, command: str = "serve", busy: bool = True) -> Registry:
+    """Another aftgen process: the test runner's parent, which is alive for as long as the test runs."""
+    registry = Registry(tmp_path, pid=os.getppid())
+    registry.write(command, busy)
+    return registry
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_the_cores_are_split_evenly_and_the_first_pids_take_the_remainder():
+    assert fair_share(2, [7], 7, most=2) == 2
+    assert fair_share(2, [7, 9], 7, most=2) == fair_share(2, [7, 9], 9, most=2) == 1
+    assert [fair_share(4, [3, 5, 8], pid, most=4) for pid in (3, 5, 8)] == [2, 1, 1]
+    assert fair_share(2, [1, 2, 3], 3, most=2) == 1  # more processes than cores: one thread each, never none
+    assert fair_share(8, [7], 7, most=3) == 3  # a server keeps cores for its HTTP side
+
+
+def test_the_registry_lists_the_living_and_removes_the_dead(tmp_path):
+    Registry(tmp_path).write("train", busy=True)
+    peer(tmp_path, "serve", busy=False)
+    Registry(tmp_path, pid=dead_pid()).write("eval", busy=True)
+    (tmp_path / "notes.json").write_text("[1, 2")  # not an entry: ignored and left alone
+    found = {p.pid: (p.command, p.busy) for p in Registry(tmp_path).peers()}
+    assert found == {os.getpid(): ("train", True), os.getppid(): ("serve", False)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{os.getpid()}.json", f"{os.getppid()}.json", "notes.json"]
+    )
+
+
+def test_a_reused_pid_is_not_taken_for_the_process_that_registered(tmp_path):
+    registry = peer(tmp_path)
+    record = json.loads(registry.entry.read_text())
+    registry.entry.write_text(json.dumps(record | {"started": "1"}))  # same PID, another start time
+    assert Registry(tmp_path).peers() == []
+
+
+def test_alone_a_process_takes_every_core_and_says_nothing(tmp_path):
+    threads_share, said, _ = share(tmp_path)
+    assert threads_share.look() == 2 and torch.get_num_threads() == 2
+    assert said == []
+
+
+def test_beside_a_busy_process_it_takes_half_and_gets_it_back_when_that_one_ends(tmp_path):
+    threads_share, said, clock = share(tmp_path)
+    threads_share.look()
+    other = peer(tmp_path, "serve")
+    clock.now += LOOK_EVERY / 2
+    threads_share.adapt()
+    assert torch.get_num_threads() == 2  # not looked again yet: a look is due every LOOK_EVERY seconds
+    clock.now += LOOK_EVERY / 2
+    threads_share.adapt()
+    assert torch.get_num_threads() == 1
+    assert said == [f"threads: 1 of 2 cores, shared with aftgen serve (pid {os.getppid()})"]
+    other.leave()
+    clock.now += LOOK_EVERY
+    threads_share.adapt()
+    assert torch.get_num_threads() == 2 and "again" in said[-1]
+
+
+def test_an_idle_process_leaves_every_core_to_the_others(tmp_path):
+    threads_share, _, _ = share(tmp_path)
+    peer(tmp_path, "serve", busy=False)
+    assert threads_share.look() == 2
+
+
+def test_a_server_gives_its_share_back_only_after_a_second_without_work(tmp_path):
+    server, _, clock = share(tmp_path, reserve=1, busy=False)
+    server.command = "serve"
+    assert server.look() == 1  # alone, it keeps a core for the HTTP side
+    server.adapt(busy=True)
+    assert _entry(server)["busy"] is True
+    server.adapt(busy=False)
+    clock.now += IDLE_AFTER / 2
+    server.adapt(busy=False)
+    assert _entry(server)["busy"] is True  # a pause between two requests
+    clock.now += IDLE_AFTER
+    server.adapt(busy=False)
+    assert _entry(server)["busy"] is False
+
+
+def test_threads_given_by_the_user_win_and_still_make_the_others_make_room(tmp_path):
+    fixed, said, _ = share(tmp_path, fixed=2)
+    other = ThreadShare(Registry(tmp_path, pid=os.getppid()), "train", 2, say=said.append)
+    assert fixed.look() == 2
+    assert other.look() == 1
+    assert said == [f"threads: 1 of 2 cores, shared with aftgen train (pid {os.getpid()})"]
+
+
+def test_torchruns_processes_share_the_cores_before_they_have_registered(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    threads_share, said, _ = share(tmp_path)
+    assert threads_share.look() == 1
+    assert said == ["threads: 1 of 2 cores, shared among torchrun's 2 processes"]
+
+
+def test_without_a_writable_cache_a_process_takes_every_core(tmp_path):
+    (tmp_path / "file").write_text("")
+    threads_share = ThreadShare(Registry(tmp_path / "file" / "running"), "train", 2, say=print)
+    assert threads_share.look() == 2
+
+
+def test_claim_joins_the_registry_under_the_cache_and_leaves_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(cores, "_share", None)
+    monkeypatch.setenv("AFTGEN_CACHE", str(tmp_path))
+    monkeypatch.delenv(cores.SOLO_VARIABLE, raising=False)
+    cores.claim("eval")
+    entry = tmp_path / "running" / f"{os.getpid()}.json"
+    assert json.loads(entry.read_text())["command"] == "eval"
+    cores._leave()
+    assert not entry.exists()
+
+
+def _entry(threads_share: ThreadShare) -> dict:
+    return json.loads(threads_share.registry.entry.read_text())
