@@ -170,8 +170,6 @@ class Engine:
 
     def _fail_everything(self) -> None:
         tickets = {row.ticket for row in self.batch.rows} | {reader.ticket for reader in self.reading}
-        for name in self.busy_sessions:  # their contexts may be half updated: the next request reloads them
-            self.sessions.forget(name)
         waiting = list(self.waiting)
         self._dequeued(len(waiting))
         for ticket in tickets | set(waiting):
@@ -322,17 +320,21 @@ class Engine:
             self._end(row)
 
     def _end(self, row: Row) -> None:
-        """A sequence is over: its last text, its finish, its session kept, its conversation cached."""
+        """A sequence is over: its last text, its finish, its session kept, its conversation cached.
+
+        A session's turn worked on a copy of its context (SessionStore.get): only a turn that ran to its
+        end for a client still there is kept; a cancelled or timed-out one leaves the session untouched."""
         ticket, stream, session = row.ticket, row.stream, row.ticket.work.session
+        if ticket.cancelled:  # the client left or its time ran out: its turn never happened
+            self.busy_sessions.discard(session)
+            return
         if session is not None:
             stream.end(final=False)  # an unfinished character waits in the context for the next request
-            saved = self._keep_session(session, stream.context)
-            if saved is not None and not ticket.cancelled:
-                self._emit(ticket, saved)
+            failed = self._keep_session(session, stream.context)
+            if failed is not None:
+                self._emit(ticket, failed)
                 return
-        if ticket.cancelled:
-            return
-        if session is None:
+        else:
             self._text(row, stream.end(final=True))
         self._emit(ticket, Finished(row.index, "stop" if stream.stopped else "length", stream.produced))
         if row.prompt and self.cache is not None:
@@ -343,11 +345,11 @@ class Engine:
 
     def _keep_session(self, name: str, context: Context) -> Failed | None:
         """Keep a session's context after its turn; a file that cannot be written fails this request
-        alone (the context stays in memory, so the session goes on)."""
+        alone, and the session stays as it was before the turn."""
         try:
             self.sessions.put(name, context)
         except (AftgenError, OSError) as exc:
-            message = f"session '{name}' could not be saved ({exc}); its state is kept in this server's memory"
+            message = f"session '{name}' could not be saved ({exc}); it stays as it was before this request"
             return Failed(500, message, "server_error", "session_not_saved")
         finally:
             self.busy_sessions.discard(name)

@@ -1,8 +1,12 @@
 """Named sessions: a conversation's whole context kept between requests, and on disk if asked.
 
 A session is an `aftgen.sampling.Context`, the same thing `aftgen sample --save-state` writes, and
-its file is that very format: `aftgen sample --load-state DIR/NAME.safetensors` continues it, and a
-restarted server picks it up where it stopped.
+its file is that very format: `aftgen sample --load-state DIR/NAME.session.safetensors` continues it,
+and a restarted server picks it up where it stopped. Only files named so are sessions: the store never
+counts, reads or removes anything else in its folder.
+
+A turn works on a copy (`get`) and the session changes only when the turn is over and `put` back: a
+turn cancelled, timed out or failed on the way leaves it as it was, in memory and on disk.
 """
 
 from __future__ import annotations
@@ -12,12 +16,16 @@ import re
 from collections import OrderedDict
 from pathlib import Path
 
+import torch
+
+from aftgen.errors import AftgenError
 from aftgen.model import AFTLM
 from aftgen.sampling import Context
 from aftgen.state import load_state, save_state
 from aftgen.tokenizer import Tokenizer
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+SUFFIX = ".session.safetensors"  # a session's file: NAME + SUFFIX
 
 
 def valid_name(name: str) -> bool:
@@ -35,40 +43,47 @@ class SessionStore:
         self.on_disk: OrderedDict[str, None] = OrderedDict()  # least recently saved first
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
-            saved = [path for path in folder.glob("*.safetensors") if valid_name(path.stem) and path.is_file()]
-            self.on_disk.update((path.stem, None) for path in sorted(saved, key=lambda path: path.stat().st_mtime))
+            files = {path.name.removesuffix(SUFFIX): path for path in folder.glob(f"*{SUFFIX}") if path.is_file()}
+            oldest_first = sorted((path.stat().st_mtime, name) for name, path in files.items() if valid_name(name))
+            self.on_disk.update((name, None) for _, name in oldest_first)
 
     def __len__(self) -> int:
         return len(self.held)
 
     def path(self, name: str) -> Path | None:
-        return None if self.folder is None else self.folder / f"{name}.safetensors"
+        return None if self.folder is None else self.folder / f"{name}{SUFFIX}"
 
     def get(self, name: str) -> Context | None:
-        """The session's context (the store's own: it changes as the session goes on), or None if new.
+        """A copy of the session's context for a turn to work on (`put` it back when the turn is over),
+        or None if the session is new.
 
-        Raises AftgenError if its file is damaged or belongs to another model.
+        Raises AftgenError, naming the file but not its folder, if the file is damaged or another model's.
         """
-        if name in self.held:
-            self.held.move_to_end(name)
-            return self.held[name]
-        path = self.path(name)
-        if path is None or not path.exists():
-            return None
-        context = load_state(path, self.model, self.tokenizer)
-        self._hold(name, context)
-        return context
+        if name not in self.held:
+            path = self.path(name)
+            if path is None or not path.exists():
+                return None
+            with _folder_unsaid(path):
+                self._hold(name, load_state(path, self.model, self.tokenizer))
+        self.held.move_to_end(name)
+        return _copy(self.held[name])
 
     def put(self, name: str, context: Context) -> None:
-        """Keep the session's context after a request, writing its file (atomically) if there is a folder.
+        """The session's context after a turn that is over: its file written (atomically) if there is a
+        folder, then the context kept.
 
-        Raises AftgenError if the file cannot be written; the context is held in memory all the same.
+        Raises AftgenError, naming the file but not its folder, if the file cannot be written; the
+        session then stays as it was, in memory and on disk.
         """
-        self._hold(name, context)
         path = self.path(name)
-        if path is None:
-            return
-        save_state(path, context, self.model, self.tokenizer)
+        if path is not None:
+            with _folder_unsaid(path):
+                save_state(path, context, self.model, self.tokenizer)
+            self._count_file(name)
+        self._hold(name, context)
+
+    def _count_file(self, name: str) -> None:
+        """A session's file was just written: past max_files the least recently saved one goes, and its session."""
         self.on_disk[name] = None
         self.on_disk.move_to_end(name)
         while len(self.on_disk) > self.max_files:
@@ -77,12 +92,24 @@ class SessionStore:
             with contextlib.suppress(OSError):  # gone already, or something else in its place: not ours to fix
                 self.path(oldest).unlink()
 
-    def forget(self, name: str) -> None:
-        """Drop a session from memory (its file, if any, stays: the next `get` reads it)."""
-        self.held.pop(name, None)
-
     def _hold(self, name: str, context: Context) -> None:
         self.held[name] = context
         self.held.move_to_end(name)
         while len(self.held) > self.limit:
             self.held.popitem(last=False)
+
+
+def _copy(context: Context) -> Context:
+    """An independent copy, its generator too: drawing from the copy leaves the original's untouched."""
+    generator = torch.Generator()
+    generator.set_state(context.generator.get_state())
+    return context.fork(generator)
+
+
+@contextlib.contextmanager
+def _folder_unsaid(path: Path):
+    """An error about a session's file names the file alone: a client must not learn the server's folders."""
+    try:
+        yield
+    except AftgenError as exc:
+        raise AftgenError(str(exc).replace(str(path), path.name)) from None
