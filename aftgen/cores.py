@@ -27,6 +27,8 @@ import torch
 
 SOLO_VARIABLE = "AFTGEN_SOLO"  # set: every core and no registry (the behaviour before it; a bench of one job alone)
 LOOK_EVERY = 2.0  # seconds between two looks at the registry: a look costs about 0.1 ms, a wrong share far more
+IDLE_CPU = 0.2  # cores: a peer that says it is busy but used less than this since the last look is not (a
+# process that ran an aftgen command in-process and went on with other things, a chat waiting for its user)
 IDLE_AFTER = 1.0  # seconds without work before a server gives its share back (a client's next request is quick)
 
 
@@ -36,7 +38,8 @@ class Peer:
 
     pid: int
     command: str
-    busy: bool
+    busy: bool  # what the process says of itself
+    cpu_seconds: float | None  # the CPU time it has used so far (None where /proc cannot tell)
 
 
 def fair_share(cores: int, busy_pids: list[int], pid: int, most: int) -> int:
@@ -81,7 +84,8 @@ class Registry:
                 with contextlib.suppress(OSError):
                     path.unlink()
                 continue
-            found.append(Peer(record["pid"], str(record.get("command", "")), bool(record.get("busy"))))
+            pid = record["pid"]
+            found.append(Peer(pid, str(record.get("command", "")), bool(record.get("busy")), _cpu_seconds(pid)))
         return found
 
 
@@ -96,13 +100,24 @@ def _read(path: Path) -> dict | None:
     return record
 
 
-def _start_time(pid: int) -> str | None:
-    """When `pid` started, in clock ticks since boot (Linux), so that a reused PID is not taken for the old process."""
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields from the third on (Linux; empty elsewhere): the name before them may hold spaces."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:
-        return None
-    return stat.rpartition(")")[2].split()[19]  # field 22; the command name before ")" may hold spaces
+        return []
+
+
+def _start_time(pid: int) -> str | None:
+    """When `pid` started, in clock ticks since boot, so that a reused PID is not taken for the old process."""
+    fields = _stat(pid)
+    return fields[19] if len(fields) > 19 else None  # field 22
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """The user and system CPU time `pid` has used so far (fields 14 and 15)."""
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if len(fields) > 12 else None
 
 
 def _alive(pid: int, started: str | None) -> bool:
@@ -137,6 +152,7 @@ class ThreadShare:
         self.busy, self.say, self.clock = busy, say or _to_stderr, clock
         self.idle_since: float | None = None
         self.threads, self.looked, self.reason = 0, float("-inf"), ""
+        self.seen: dict[int, tuple[float, float]] = {}  # a peer's PID: when it was last looked at, its CPU seconds
         if registry is not None:
             with contextlib.suppress(OSError):  # a cache folder that cannot be written: every core, as before
                 registry.write(command, busy)
@@ -157,13 +173,22 @@ class ThreadShare:
     def _share(self) -> int:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's processes, before they register
         peers = self._peers()
-        others = [p for p in peers if p.busy and p.pid != self.pid]
+        others = [p for p in peers if p.pid != self.pid and self._working(p)]
         pids = [p.pid for p in others] + [self.pid]
         if len(pids) < local_world:
             self.reason = f"shared among torchrun's {local_world} processes"
             return max(1, min(self.most, self.cores // local_world))
         self.reason = "shared with " + ", ".join(f"aftgen {p.command} (pid {p.pid})" for p in others)
         return fair_share(self.cores, pids, self.pid, self.most)
+
+    def _working(self, peer: Peer) -> bool:
+        """Whether a peer computes: it says so, and it used at least IDLE_CPU cores since the last look (if any)."""
+        now, before = self.clock(), self.seen.get(peer.pid)
+        if peer.cpu_seconds is not None:
+            self.seen[peer.pid] = (now, peer.cpu_seconds)
+        if not peer.busy or before is None or peer.cpu_seconds is None or now <= before[0]:
+            return peer.busy
+        return (peer.cpu_seconds - before[1]) / (now - before[0]) >= IDLE_CPU
 
     def _peers(self) -> list[Peer]:
         if self.registry is None:

@@ -17,6 +17,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 DEVICE = os.environ.get("AFTGEN_TEST_DEVICE", "cpu")
+# The suite's aftgen commands (in this process and in the ones it starts) take every core and stay out of
+# the machine's registry of running aftgen processes (aftgen.cores), as the CI machine's only job.
+os.environ["AFTGEN_SOLO"] = "1"
 
 WORDS = (
     "the king queen lord lady sword crown night day love death heart blood fair foul sweet bitter "

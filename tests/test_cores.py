@@ -98,6 +98,14 @@ def test_beside_a_busy_process_it_takes_half_and_gets_it_back_when_that_one_ends
     assert torch.get_num_threads() == 2 and "again" in said[-1]
 
 
+def test_a_process_that_says_it_is_busy_but_uses_no_cpu_is_not_counted(tmp_path):
+    threads_share, _, clock = share(tmp_path)
+    peer(tmp_path, "train")  # the test runner's parent waits for it: it uses no CPU
+    assert threads_share.look() == 1  # first sight: taken at its word
+    clock.now += LOOK_EVERY
+    assert threads_share.look() == 2
+
+
 def test_an_idle_process_leaves_every_core_to_the_others(tmp_path):
     threads_share, _, _ = share(tmp_path)
     peer(tmp_path, "serve", busy=False)

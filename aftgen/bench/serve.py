@@ -93,14 +93,16 @@ async def run_phase(host: str, port: int, streams: int, tokens: int) -> list[Str
 class ServerProcess:
     """`aftgen serve` on a free loopback port in a child process, for the length of a `with` block."""
 
-    def __init__(self, options: BenchServeOptions):
+    def __init__(self, options: BenchServeOptions, env: dict[str, str] | None = None):
         command = [sys.executable, "-m", "aftgen", "serve", "--port", "0", "--parallel", str(max(STREAMS)),
                    "--queue", "0", "--max-tokens", str(options.tokens), "--device", options.device,
                    "--dtype", options.dtype]  # fmt: skip
         command += ["--model", options.model] if options.model else []
         command += ["--threads", str(options.threads)] if options.threads else []
         self.log = tempfile.NamedTemporaryFile("w+", prefix="aftgen-bench-serve-", suffix=".log", delete=False)
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log)
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log, env=env
+        )
         self.host, self.port = self._address()
 
     def _address(self) -> tuple[str, int]:

@@ -54,6 +54,11 @@ TARGETS: dict[str, Target] = {
     "train memory": Target("train: peak RSS", "MB", "<=", 1536),
     "prepare memory spread": Target("prepare: peak RSS spread over the corpora", "", "<", 0.10),
     "train memory spread": Target("train: peak RSS spread over the corpora", "", "<", 0.10),
+    # bench side-by-side: aftgen jobs together on one machine (cores shared), each against itself alone
+    "two trainings together / one alone": Target("two trainings together / one alone, steps/s", "x", ">=", 0.8),
+    "training beside a server / alone": Target("training beside a server / alone, steps/s", "x", ">=", 0.35),
+    "server beside a training / alone": Target("server beside a training / alone, tokens/s", "x", ">=", 0.35),
+    "training alone, shared / every core": Target("training alone, cores shared / every core", "x", ">=", 0.95),
     # bench finetune: 60 s on 50 KB, fine-tuning the shipped model against training from scratch
     "fine-tuning advantage": Target("fine-tuned minus from-scratch held-out, 50 KB, 60 s", "nats/char", ">=", 0.15),
 }

@@ -232,6 +232,24 @@ def bench_serve_command(
     print_rows(bench_serve(options, log=progress), as_json)
 
 
+@bench_app.command("side-by-side")
+@command
+def bench_side_by_side_command(
+    corpus: Annotated[Path, typer.Argument(help="Text the trainings learn (a few hundred KB is plenty).")],
+    seconds: Annotated[float, typer.Option(min=5, help="Seconds each training runs.")] = 40.0,
+    as_json: AsJson = False,
+) -> None:
+    """aftgen jobs together on one machine: two trainings, and a server beside a training, each against
+    itself alone; with the cores shared and as before, when every process took every core."""
+    from aftgen.bench.report import print_rows
+    from aftgen.bench.side_by_side import bench_side_by_side
+    from aftgen.serve.server import require_serve_extra
+
+    require_file(corpus, "file")
+    require_serve_extra()
+    print_rows(bench_side_by_side(corpus, seconds, log=progress), as_json)
+
+
 @bench_app.command("data")
 @command
 def bench_data_command(
