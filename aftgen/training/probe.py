@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from aftgen import cores
 from aftgen.device import DTYPES, Placement, synchronize
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.training import recipe
@@ -40,6 +41,7 @@ def training_step(model: AFTLM, batch: int, length: int, autocast: Callable) -> 
 def tokens_per_s(config: AFTConfig, batch_size: int, placement: Placement, steps: int = TIMED_STEPS) -> float:
     """Training tokens/s of a model of `config` at `batch_size` (AdamW, autocast as placed), measured
     after WARM_UP_STEPS steps; the model is thrown away afterwards, and torch's random state is kept."""
+    cores.adapt()  # measured with this process's share of the cores now, not the one it had a moment ago
     with torch.random.fork_rng(devices=[placement.device] if placement.device.type == "cuda" else []):
         model = AFTLM(config).to(placement.device).train()
         step = training_step(model, batch_size, config.context_length, placement.autocast)
