@@ -17,6 +17,9 @@ from aftgen.model import AFTLM, ModelState, PrefillFunction, StepFunction, clone
 from aftgen.tokenizer import Tokenizer
 
 MAX_REPEAT_LAST_N = 1024  # a context keeps this many recent tokens for the repeat penalty, so its size is fixed
+# Below this temperature sampling is greedy: a lower one only splits logits closer than a thousandth, and
+# dividing by it overflows float32 long before it reaches Python's smallest floats.
+GREEDY_BELOW = 1e-4
 PROMPT_CHUNK = 1024  # tokens read per parallel pass: long texts go in chunks, in constant memory
 
 
@@ -65,7 +68,10 @@ class Control:
 
 
 def divide_by_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return logits.float() / temperature  # 0 (greedy) never gets here: choose() takes the argmax first
+    # Less the top logit first (softmax does not mind): a small temperature then sends the others to -inf,
+    # never to +inf. Below GREEDY_BELOW it never gets here: choose() takes the argmax first.
+    logits = logits.float()
+    return (logits - logits.amax(-1, keepdim=True)) / temperature
 
 
 def keep_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -81,7 +87,8 @@ def keep_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
     cumulative = sorted_logits.softmax(-1).cumsum(-1)
     # Keep the smallest set whose probability reaches top_p: a token goes if the ones before it already do.
-    before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
+    # The likeliest always stays, even for a top_p that float32 rounds to 0.
+    before = torch.cat([torch.full_like(cumulative[..., :1], -1.0), cumulative[..., :-1]], dim=-1)
     drop_sorted = before >= top_p
     return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
 
@@ -95,12 +102,12 @@ def keep_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 # Every sampling control, by name; the filters run in this order (temperature first).
 CONTROLS: dict[str, Control] = {
-    "temperature": Control(0.8, Range(0, 2), "0: greedy.", divide_by_temperature),
+    "temperature": Control(0.8, Range(0, 2), f"0 (or below {GREEDY_BELOW:g}): greedy.", divide_by_temperature),
     "top_k": Control(0, Range(0), "Keep the k likeliest tokens (0: off).", keep_top_k),
     "top_p": Control(1.0, Range(0, 1, open_low=True), "Keep the smallest set reaching p.", keep_top_p),
     "min_p": Control(0.0, Range(0, 1, open_high=True), "Drop tokens below min_p x the top probability.", keep_min_p),
-    "repeat_penalty": Control(
-        1.0, Range(0, 100, open_low=True), "Divide recent tokens' positive logits by this (1: off)."
+    "repeat_penalty": Control(  # 1e-4 already makes a recent token all but certain; below, logits only overflow
+        1.0, Range(1e-4, 100), "Divide recent tokens' positive logits by this (1: off)."
     ),
     "repeat_last_n": Control(64, Range(0, MAX_REPEAT_LAST_N), "How many recent tokens the penalty covers."),
 }
@@ -178,6 +185,17 @@ def filter_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tenso
     return logits
 
 
+class ScoresNotFinite(AftgenError):
+    """Some rows' logits are NaN or +inf (or all -inf): no token can be drawn from them. `rows`: which."""
+
+    def __init__(self, rows: list[int]):
+        super().__init__(
+            "the model's scores for the next token are NaN or infinite, so no token can be drawn: its weights "
+            "or the state it continues are damaged (use another checkpoint or state file)"
+        )
+        self.rows = rows
+
+
 def choose(
     logits: torch.Tensor,
     options: SamplingOptions,
@@ -188,12 +206,16 @@ def choose(
 
     `generator`: one for all the rows, or one per row; then each row draws exactly what it would
     draw alone (a server samples many sequences at once, and each still follows its own seed).
+    Raises ScoresNotFinite, naming the rows, before any generator draws.
     """
     recent = history[:, -options.repeat_last_n :] if options.repeat_last_n else history[:, :0]
     # Sampling runs on the CPU whatever the model's device: the generator is a CPU one, and a seed
     # then gives the same text on any device.
     logits = apply_repeat_penalty(logits.float().cpu(), recent, options.repeat_penalty)
-    if options.temperature == 0:
+    unusable = ~torch.isfinite(logits.amax(-1))  # the top is NaN if any is, +inf if any is, -inf if all are
+    if unusable.any():
+        raise ScoresNotFinite(unusable.nonzero()[:, 0].tolist())
+    if options.temperature < GREEDY_BELOW:
         return logits.argmax(-1)
     probs = filter_logits(logits, options).softmax(-1)
     if isinstance(generator, torch.Generator):

@@ -23,7 +23,7 @@ from aftgen import cores
 from aftgen.device import Placement
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, tokens_read
-from aftgen.sampling import Context, PromptReader, TextStream, choose, new_generator, opening
+from aftgen.sampling import Context, PromptReader, ScoresNotFinite, TextStream, choose, new_generator, opening
 from aftgen.serve.batch import Batch
 from aftgen.serve.cache import PrefixCache, state_bytes
 from aftgen.serve.options import ServeOptions
@@ -240,7 +240,13 @@ class Engine:
         budget = self.options.prompt_chunk
         while self.reading and budget > 0:
             reader = self.reading[0]
-            budget -= reader.prompt.read(budget)
+            try:
+                budget -= reader.prompt.read(budget)
+            except Exception:  # this request's own work: it fails alone, and the batch goes on
+                traceback.print_exc(file=sys.stderr)
+                self.reading.popleft()
+                self._fail(reader.ticket, Failed(500, "internal error reading the prompt (see the server's log)"))
+                continue
             if reader.prompt.done:
                 self.reading.popleft()
                 self._begin(reader)
@@ -273,36 +279,54 @@ class Engine:
 
     def _step(self) -> None:
         """One batched step: every row's next token in, every row's logits out."""
-        rows = list(self.batch.rows)
+        tokens = self._choose(list(self.batch.rows))
+        rows = list(self.batch.rows)  # less those whose requests failed in _choose
         if not rows:
             return
-        tokens = self._choose(rows)
-        logits = self.batch.step(tokens)
+        logits = self.batch.step(torch.cat([tokens[row] for row in rows]))
         for i, row in enumerate(rows):
-            self._text(row, row.stream.accept(tokens[i : i + 1], logits[i : i + 1]))
+            self._text(row, row.stream.accept(tokens[row], logits[i : i + 1]))
         self._finish([row for row in rows if row.stream.done])
 
-    def _choose(self, rows: list[Row]) -> torch.Tensor:
-        """Every row's next token (B,). Rows that sample alike are drawn together, each from its own
+    def _choose(self, rows: list[Row]) -> dict[Row, torch.Tensor]:
+        """Every row's next token (1,). Rows that sample alike are drawn together, each from its own
         generator (so each draws what it would alone); a repeat penalty reads a row's own history, so
-        those rows are drawn one by one."""
-        tokens: list[torch.Tensor | None] = [None] * len(rows)
-        alike: dict[tuple, list[int]] = {}
-        for i, row in enumerate(rows):
+        those rows are drawn one by one. A row whose scores are NaN or infinite fails its request alone:
+        choose() refuses before anything is drawn, so the rows drawn with it then draw what they would have."""
+        alike: dict[tuple, list[Row]] = {}
+        for row in rows:
             options = row.stream.options
-            if options.repeat_penalty == 1.0:
-                alike.setdefault(options.key(), []).append(i)
-            else:
-                tokens[i] = row.stream.next_token()
-        for members in alike.values():
-            contexts = [rows[i].stream.context for i in members]
-            logits = torch.cat([context.logits for context in contexts])
-            no_history = torch.zeros(len(members), 0, dtype=torch.long)
-            options = rows[members[0]].stream.options
-            drawn = choose(logits, options, no_history, [context.generator for context in contexts])
-            for i, token in zip(members, drawn, strict=True):
-                tokens[i] = token.view(1)
-        return torch.cat(tokens)
+            alike.setdefault((options.key(),) if options.repeat_penalty == 1.0 else (row,), []).append(row)
+        tokens: dict[Row, torch.Tensor] = {}
+        unusable: dict[Ticket, Row] = {}  # a request's first row that cannot draw
+        for group in alike.values():
+            try:
+                tokens |= self._draw(group)
+            except ScoresNotFinite as exc:
+                for i in exc.rows:
+                    unusable.setdefault(group[i].ticket, group[i])
+                rest = [row for row in group if row.ticket not in unusable]
+                tokens |= self._draw(rest) if rest else {}
+        for ticket, row in unusable.items():
+            self._fail(ticket, not_finite(row))
+        return tokens
+
+    def _draw(self, rows: list[Row]) -> dict[Row, torch.Tensor]:
+        """The next token of rows that sample alike (a row with a repeat penalty is alone)."""
+        if len(rows) == 1:
+            return {rows[0]: rows[0].stream.next_token()}
+        contexts = [row.stream.context for row in rows]
+        logits = torch.cat([context.logits for context in contexts])
+        no_history = torch.zeros(len(rows), 0, dtype=torch.long)
+        drawn = choose(logits, rows[0].stream.options, no_history, [context.generator for context in contexts])
+        return {row: token.view(1) for row, token in zip(rows, drawn, strict=True)}
+
+    def _fail(self, ticket: Ticket, failure: Failed) -> None:
+        """One request ends with an error, its rows out of the batch; every other goes on. Its session's
+        turn worked on a copy (SessionStore.get), so the session stays as it was."""
+        self._emit(ticket, failure)
+        self.batch.remove([row for row in self.batch.rows if row.ticket is ticket])
+        self.busy_sessions.discard(ticket.work.session)
 
     def _text(self, row: Row, text: str) -> None:
         if text:
@@ -366,3 +390,14 @@ class Engine:
         self._from_cache(prompt)
         if prompt.read():
             self.cache.put(prompt.ids, prompt.context.state, prompt.context.logits)
+
+
+def not_finite(row: Row) -> Failed:
+    """How a request fails when one of its rows has NaN or infinite scores: naming the row (and its session)."""
+    session = row.ticket.work.session
+    if session is None:
+        advice = "the model served may be damaged: tell the server's operator"
+    else:
+        advice = f"session '{session}' stays as it was before this request; if this happens again, start a new one"
+    message = f"choice {row.index}: the model's scores for the next token are NaN or infinite, so no token could be"
+    return Failed(500, f"{message} drawn ({advice})", "server_error", "scores_not_finite")
