@@ -22,7 +22,9 @@ from aftgen.checkpoint import save_checkpoint
 from aftgen.cli import app
 from aftgen.errors import AftgenError
 from aftgen.sampling import (
+    GREEDY_BELOW,
     SamplingOptions,
+    ScoresNotFinite,
     StopFilter,
     apply_repeat_penalty,
     choose,
@@ -64,6 +66,48 @@ def test_temperature_sharpens_or_flattens():
     assert entropy[0] < entropy[1] < entropy[2]
     greedy = choose(logits, SamplingOptions(temperature=0), torch.zeros(1, 0, dtype=torch.long), torch.Generator())
     assert int(greedy) == 0
+
+
+def test_top_p_keeps_the_likeliest_token_even_where_float32_rounds_top_p_to_zero():
+    assert kept(PROBS.log(), top_p=5e-324) == 1
+    assert kept(PROBS.log(), top_p=1e-300) == 1
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-39, GREEDY_BELOW / 2])
+def test_a_temperature_below_the_smallest_that_matters_is_greedy(temperature):
+    """With or without a repeat penalty (at its smallest too), whatever the scores' scale."""
+    torch.manual_seed(0)
+    logits, history = torch.randn(16, 50) * 30, torch.randint(0, 50, (16, 8))
+    for penalty in (1.0, 1.3, 1e-4):
+        options = SamplingOptions(temperature=temperature, repeat_penalty=penalty)
+        greedy = choose(logits, SamplingOptions(temperature=0, repeat_penalty=penalty), history, torch.Generator())
+        assert torch.equal(choose(logits, options, history, torch.Generator()), greedy)
+
+
+def test_the_smallest_temperature_and_penalty_sample_from_finite_probabilities():
+    """At GREEDY_BELOW with a penalty of 1e-4 the recent tokens' scores grow 10^8 times: still finite."""
+    torch.manual_seed(0)
+    logits, history = torch.randn(16, 50) * 1e6, torch.randint(0, 50, (16, 8))
+    options = SamplingOptions(temperature=GREEDY_BELOW, repeat_penalty=1e-4)
+    probs = filter_logits(apply_repeat_penalty(logits, history, 1e-4), options).softmax(-1)
+    assert torch.isfinite(probs).all()
+    drawn = choose(logits, options, history, [torch.Generator().manual_seed(i) for i in range(16)])
+    assert torch.equal(drawn, apply_repeat_penalty(logits, history, 1e-4).argmax(-1))  # the gaps are that large
+
+
+def test_rows_whose_scores_are_not_finite_are_refused_by_name_before_anything_is_drawn():
+    logits = torch.randn(5, 10)
+    logits[0, :4] = float("-inf")  # ruled out tokens: the row still draws
+    logits[1, 3], logits[2, 0], logits[3] = float("nan"), float("inf"), float("-inf")
+    generators = [torch.Generator().manual_seed(i) for i in range(5)]
+    before = [generator.get_state() for generator in generators]
+    for options in (SamplingOptions(temperature=1.0), SamplingOptions(temperature=0)):
+        with pytest.raises(ScoresNotFinite) as refused:
+            choose(logits, options, torch.zeros(5, 0, dtype=torch.long), generators)
+        assert refused.value.rows == [1, 2, 3] and "NaN or infinite" in str(refused.value)
+    assert all(torch.equal(g.get_state(), state) for g, state in zip(generators, before, strict=True))
+    first = choose(logits[:1], SamplingOptions(temperature=1.0), torch.zeros(1, 0, dtype=torch.long), generators[:1])
+    assert int(first) >= 4  # never a ruled-out token
 
 
 def test_repeat_penalty_lowers_recent_tokens_logits():
@@ -133,6 +177,7 @@ def test_cli_stream_through_a_pipe_is_valid_utf8(tiny_run):
         (["--top-k", "-1"], "--top-k"),
         (["--min-p", "1"], "--min-p"),
         (["--repeat-penalty", "0"], "--repeat-penalty"),
+        (["--repeat-penalty", "1e-300"], "--repeat-penalty"),  # below 1e-4 a penalty only overflows
         (["--repeat-last-n", "-1"], "--repeat-last-n"),
         (["-n", "-2"], "--max-new-tokens"),
         (["--num-samples", "0"], "--num-samples"),
@@ -148,6 +193,18 @@ def test_invalid_values_fail_before_any_work(args, message):
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+
+
+def test_cli_samples_greedily_below_the_smallest_temperature_that_matters(tiny_run):
+    def sample(*args: str) -> str:
+        result = runner.invoke(app, ["sample", "--model", str(tiny_run), "--device", DEVICE, "-p", "KING:", *args])
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    for penalty in ("1", "1.1"):
+        greedy = sample("-n", "12", "--temperature", "0", "--repeat-penalty", penalty)
+        for temperature in ("1e-300", "1e-39"):
+            assert sample("-n", "12", "--temperature", temperature, "--repeat-penalty", penalty) == greedy
 
 
 def test_save_then_load_state_continues_exactly(tiny_run, tmp_path):
