@@ -29,7 +29,7 @@ from aftgen.bench.serve import StreamTiming, bench_serve, best_of, phase_figures
 from aftgen.cli import app
 from aftgen.device import resolve
 from aftgen.model import AFTLM, AFTConfig, clone_state, tokens_read
-from aftgen.sampling import SamplingOptions, exponential_race, generate, read_prompt
+from aftgen.sampling import PromptReader, SamplingOptions, exponential_race, generate, read_prompt
 from aftgen.serve.batch import Batch
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
@@ -850,3 +850,87 @@ def test_a_session_turn_that_fails_leaves_the_session_in_memory_as_it_was(url, m
         assert_openai_error(turn("failing", " and so"), 500)
     after, twin = turn("failing", " then").json(), turn("twin", " then").json()
     assert after["choices"] == twin["choices"] and after["usage"] == twin["usage"]
+
+
+def test_extreme_sampling_settings_stop_no_other_stream(url):
+    """Issue 36's reproduction, while a stream and a session's streamed turn run: a repeat penalty of 1e-300
+    is a 400 naming it, a temperature of 1e-39 with a penalty samples, and one of 1e-300 or 5e-324 is
+    greedy; the stream and the session's turn go on with no error event."""
+    greedy = post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 8, "temperature": 0}).json()
+    with httpx.Client(timeout=60) as http:
+        assert post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 3, "session": "mid"}).is_success
+        others = [Stream(http, url, "QUEEN:", LONG), Stream(http, url, " and", LONG, session="mid")]
+        for other in others:
+            other.texts(1)
+        body = {"prompt": "x", "max_tokens": 3, "repeat_penalty": 1e-300}
+        refused = assert_openai_error(post(url, "/v1/completions", json=body), 400, "repeat_penalty")
+        assert "[0.0001, 100]" in refused["message"]
+        body = {"prompt": "x", "max_tokens": 3, "temperature": 1e-39, "repeat_penalty": 1.1}
+        assert post(url, "/v1/completions", json=body).json()["usage"]["completion_tokens"] == 3
+        for temperature in (1e-300, 5e-324):
+            body = {"prompt": "KING:", "max_tokens": 8, "temperature": temperature}
+            assert post(url, "/v1/completions", json=body).json()["choices"] == greedy["choices"]
+        for other in others:
+            assert len(other.texts(20)) == 20  # texts() reads choices: an error event would fail here
+            other.close()
+
+
+def test_a_row_that_cannot_draw_fails_its_own_request_alone(tiny_run, monkeypatch):
+    """Driven turn by turn: a session whose state went NaN and a request whose prompt cannot be read each
+    fail with a 500 naming them, while a sampled row drawn together with the NaN row, a row with a repeat
+    penalty and another session's turn give what they give alone, and both sessions stay in memory."""
+    model, tokenizer = load(tiny_run, device=DEVICE)
+    engine = Engine(model, tokenizer, ServeOptions(cache_mb=0), resolve(DEVICE, "fp32"))
+    events: list = []
+    engine.publish = events.extend
+
+    def submit(prompt: str, session: str | None = None, **options):
+        work = Work(tokenizer.encode(prompt), SamplingOptions(max_new_tokens=12, **options), session=session)
+        return engine.submit(work)
+
+    def seen(ticket, kind) -> list:
+        return [event for owner, event in events if owner is ticket and isinstance(event, kind)]
+
+    def run(*tickets) -> None:
+        for _ in range(200):
+            if all(seen(ticket, Done) or seen(ticket, Failed) for ticket in tickets):
+                return
+            engine.turn()
+        raise AssertionError("the engine never finished")
+
+    for name in ("damaged", "good"):
+        run(submit("KING:", session=name, temperature=0))
+    damaged = engine.sessions.get("damaged")
+    for layer in damaged.state:
+        for tensor in layer.values():
+            if tensor.is_floating_point():
+                tensor.fill_(float("nan"))
+    engine.sessions.put("damaged", damaged)
+    good_read = tokens_read(engine.sessions.get("good").state)
+    unreadable, read = tokenizer.encode("QUEEN:"), PromptReader.read
+
+    def read_or_fail(self, budget=None):
+        if self.ids[1:] == unreadable:
+            raise RuntimeError("simulated failure")
+        return read(self, budget)
+
+    monkeypatch.setattr(PromptReader, "read", read_or_fail)
+    sampled, penalised = dict(temperature=1.0, seed=5), dict(temperature=0.8, seed=6, repeat_penalty=1.3)
+    tickets = {
+        "sampled": submit("KING:", **sampled),  # the same filters as the damaged row's: drawn with it
+        "penalised": submit("KING:", **penalised),
+        "damaged": submit(" and", session="damaged", temperature=1.0),
+        "unreadable": submit("QUEEN:"),
+        "good": submit(" and", session="good", temperature=0),
+    }
+    run(*tickets.values())
+    for name, named in (("damaged", "choice 0: "), ("unreadable", "reading the prompt")):
+        [failure] = seen(tickets[name], Failed)
+        assert failure.status == 500 and named in failure.message and not seen(tickets[name], Done)
+    assert "session 'damaged'" in seen(tickets["damaged"], Failed)[0].message
+    for name, options in (("sampled", sampled), ("penalised", penalised)):
+        text = "".join(event.text for event in seen(tickets[name], Text))
+        assert text == library_text(tiny_run, "KING:", max_new_tokens=12, **options)
+    assert seen(tickets["good"], Done) and engine.occupied() == 0 and not engine.busy_sessions
+    assert tokens_read(engine.sessions.get("good").state) == good_read + len(tokenizer.encode(" and")) + 12
+    assert engine.sessions.get("damaged") is not None
