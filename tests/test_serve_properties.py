@@ -1,10 +1,13 @@
 """Random JSON thrown at every field of both routes of `aftgen serve`: never a 500, always OpenAI's error
 shape, and the server still answers afterwards. The app runs in-process under Starlette's TestClient
-(no socket), with a tiny model and small limits, so 500 examples take seconds."""
+(no socket), with a tiny model and small limits, so 500 examples take seconds. Then sampling settings at
+the edges of their ranges, each row beside another: every row finishes, and the other draws what it
+draws alone."""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 
 import httpx
@@ -16,21 +19,29 @@ from starlette.testclient import TestClient
 
 from aftgen.api import load
 from aftgen.device import resolve
+from aftgen.sampling import CONTROLS, GREEDY_BELOW, Control, SamplingOptions
 from aftgen.serve.app import Server
 from aftgen.serve.conversation import ROLES
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.schema import IGNORED, NEUTRAL, sampling_fields
+from aftgen.serve.work import Done, Failed, Finished, Text, Work
 
 KEY = "property-key"
 OPTIONS = dict(api_key=KEY, max_tokens=4, max_prompt_tokens=64, max_body_bytes=1 << 16, parallel=4, queue=4)
 EXAMPLES = 500
 
 
-@pytest.fixture(scope="module")
-def http(tiny_run, tmp_path_factory) -> Iterator[TestClient]:
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def http(tiny_run, tmp_path_factory) -> Iterator[TestClient]:
     model, tokenizer = load(tiny_run)
     sessions = tmp_path_factory.mktemp("sessions")
     options = ServeOptions(model=str(tiny_run), sessions_dir=sessions, max_session_files=4, cache_mb=1, **OPTIONS)
@@ -38,7 +49,25 @@ def http(tiny_run, tmp_path_factory) -> Iterator[TestClient]:
     app = Server(engine, "tiny").app()
     with TestClient(app, raise_server_exceptions=False, headers={"Authorization": f"Bearer {KEY}"}) as client:
         yield client
-    torch.set_num_threads(before)
+
+
+# float32 rounds these to 0 or to a subnormal: where a division or a comparison goes wrong
+TINY_FLOATS = [5e-324, 1e-310, 2.2250738585072014e-308, 1e-300, 1e-45, 1e-39, 1.1754943508222875e-38]
+
+
+def at_edges(control: Control) -> st.SearchStrategy:
+    """A control's values (CONTROLS' range), often at its edges: its ends and the floats just inside them,
+    subnormals and 1e-300, and either side of the temperature below which sampling is greedy."""
+    allowed = control.range
+    if control.type is int:
+        high = (1 << 64) if allowed.high is None else allowed.high
+        return st.sampled_from([allowed.low, allowed.low + 1, high]) | st.integers(allowed.low, high)
+    low, high = allowed.low, allowed.high
+    edges = [low, math.nextafter(low, high), high, math.nextafter(high, low), *TINY_FLOATS]
+    edges += [GREEDY_BELOW, math.nextafter(GREEDY_BELOW, 0)]
+    return st.sampled_from([edge for edge in edges if edge in allowed]) | st.floats(low, high).filter(
+        lambda value: value in allowed
+    )
 
 
 surrogates = st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"])  # JSON can spell them; UTF-8 cannot
@@ -61,19 +90,14 @@ VALID = {  # values each field accepts, so that most requests get past most chec
     "model": st.just("tiny"),
     "max_tokens": st.integers(0, 4),
     "max_completion_tokens": st.integers(0, 4),
-    "temperature": st.floats(0, 2),
-    "top_p": st.floats(0.01, 1),
     "n": st.integers(1, 4),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "stop": st.text(min_size=1, max_size=4) | st.lists(st.text(min_size=1, max_size=4), max_size=4),
     "seed": st.integers(0, (1 << 63) - 1),
-    "top_k": st.integers(0, 50),
-    "min_p": st.floats(0, 0.99),
-    "repeat_penalty": st.floats(0.5, 2),
-    "repeat_last_n": st.integers(0, 64),
     "session": st.sampled_from(["a", "b", "c", "d", "e", "f"]),
-} | {name: st.sampled_from(values) for name, values in NEUTRAL.items()}
+} | {name: at_edges(control) for name, control in CONTROLS.items()}
+VALID |= {name: st.sampled_from(values) for name, values in NEUTRAL.items()}
 NEAR_VALID = {  # just past each range, or the wrong shape
     "prompt": any_text | st.lists(any_text, max_size=2),
     "messages": st.lists(odd_message | message, max_size=3),
@@ -105,6 +129,8 @@ def bodies(draw, chat: bool) -> object:
         return draw(json_values)
     required = ["messages" if chat else "prompt"] if draw(st.integers(0, 9)) else []
     names = draw(st.lists(st.sampled_from(FIELDS) | any_text, max_size=3, unique=True))
+    if draw(st.integers(0, 3)) == 0:  # every sampling control at once, where their edges compound
+        names += [name for name in CONTROLS if name not in names]
     return {name: value(draw, name) for name in required + names}
 
 
@@ -140,3 +166,45 @@ def test_the_server_answers_after_the_random_requests(http):
     assert health["session_files"] <= 4
     reply = http.post("/v1/completions", json={"prompt": "KING:", "max_tokens": 3})
     assert reply.json()["usage"]["completion_tokens"] == 3
+
+
+TOKENS = 6
+BESIDE = dict(seed=7)  # the default controls: drawn together with each edge row that leaves its filters at theirs
+
+
+@pytest.fixture(scope="module")
+def beside(tiny_run) -> tuple[Engine, str]:
+    """An engine driven turn by turn, and what the row beside the edge rows draws alone."""
+    model, tokenizer = load(tiny_run)
+    engine = Engine(model, tokenizer, ServeOptions(cache_mb=0, parallel=4), resolve("cpu", "fp32"))
+    return engine, texts(engine, [BESIDE])[0]
+
+
+def texts(engine: Engine, settings: list[dict]) -> list[str]:
+    """Each row's text, all generating at once from one prompt; every row must finish, none fail."""
+    events: list = []
+    engine.publish = events.extend
+    prompt = engine.tokenizer.encode("KING:")
+    tickets = [engine.submit(Work(prompt, SamplingOptions(max_new_tokens=TOKENS, **each))) for each in settings]
+    for _ in range(4 * TOKENS):
+        if all(any(owner is ticket and isinstance(e, (Done, Failed)) for owner, e in events) for ticket in tickets):
+            break
+        engine.turn()
+    assert not [event for _, event in events if isinstance(event, Failed)], events
+    mine = [[event for owner, event in events if owner is ticket] for ticket in tickets]
+    assert all([event.tokens for event in each if isinstance(event, Finished)] == [TOKENS] for each in mine), events
+    return ["".join(event.text for event in each if isinstance(event, Text)) for each in mine]
+
+
+@st.composite
+def edge_settings(draw) -> dict:
+    """Some controls at the edges of their ranges, the others at their defaults."""
+    names = draw(st.lists(st.sampled_from(list(CONTROLS)), max_size=len(CONTROLS), unique=True))
+    return {name: draw(at_edges(CONTROLS[name])) for name in names}
+
+
+@settings(max_examples=EXAMPLES // 2, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(edge_rows=st.lists(edge_settings(), min_size=1, max_size=3), seed=st.integers(0, 1 << 32))
+def test_sampling_settings_at_their_edges_finish_and_leave_the_row_beside_them_alone(beside, edge_rows, seed):
+    engine, alone = beside
+    assert texts(engine, [BESIDE, *[each | {"seed": seed} for each in edge_rows]])[0] == alone
