@@ -1,24 +1,49 @@
-"""Atomic file writes: a crash at any moment leaves the old complete file or the new one, never half."""
+"""Atomic file writes: a crash at any moment leaves the old complete file or the new one, never half.
+Every write goes through `atomic_open`, which first refuses a path that is not a file to replace, and
+`locked_folder` keeps a folder to one writing process at a time."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
+import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
 from aftgen.errors import AftgenError
 
 _TEMPORARY = ".tmp"  # a file being written is ".<name>.<random>.tmp" beside its final place
+LOCK = ".lock"  # in a folder a process writes: its PID, and an flock held for as long as it writes
+_KINDS = {stat.S_IFREG: "a file", stat.S_IFDIR: "a folder", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device",
+          stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}  # fmt: skip
+
+
+def check_output(path: Path | str) -> None:
+    """Refuse to write `path` unless it is absent or a regular file (or a link to one): renaming a new file
+    over a device, FIFO or socket would replace it (as root, even /dev/full) instead of writing into it."""
+    kind = _kind(path)
+    if kind not in (None, "a file"):
+        raise AftgenError(f"{path} is {kind}, not a file: give the path of a file to write")
+
+
+def _kind(path: Path | str) -> str | None:
+    """What is at `path` ("a file", "a folder", "a device", ...), following links; None if nothing is (or
+    it cannot be reached: the write itself then says why)."""
+    try:
+        return _KINDS.get(stat.S_IFMT(os.stat(path).st_mode), "a special file")
+    except OSError:
+        return None
 
 
 @contextlib.contextmanager
 def atomic_open(path: Path | str, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary file beside `path`; on success it is fsynced and renamed over `path`."""
     path = Path(path)
+    check_output(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TEMPORARY)
@@ -55,19 +80,91 @@ def _write_error(path: Path, exc: OSError) -> AftgenError:
     return AftgenError(f"cannot write {path} ({exc.strerror or exc}); the previous version is intact")
 
 
-def prepare_folder(folder: Path | str) -> None:
-    """Create `folder`, refusing one that cannot be written (before hours of work, not after), and
-    delete the half-written temporary files a killed process left there (never a real file)."""
+@contextlib.contextmanager
+def locked_folder(folder: Path | str, warn: Callable[[str], None]) -> Iterator[Path]:
+    """Create `folder` and keep it to this process while the block runs: a second process is refused
+    (naming the first's PID), a lock left by a process that died is taken over (`warn` hears of it). The
+    half-written temporaries a killed writer left are deleted then, never a real file; a folder created
+    here and still empty at the end (the work was refused) is removed.
+
+    The lock is an flock on the folder's lock file, which the kernel drops however its holder ends
+    (kill -9 included); the PID written in the file is for the messages, and the file goes at exit.
+    """
     folder = Path(folder)
+    created = _create_folder(folder)
+    path = folder / LOCK
+    fd = _take_lock(path, warn)
+    try:
+        for stale in folder.glob(f".*{_TEMPORARY}"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        yield folder
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()  # before unlocking: a process waiting on this file finds it gone and locks a new one
+        if created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # still empty: the work was refused before it began, and leaves nothing behind
+        os.close(fd)
+
+
+def _create_folder(folder: Path) -> bool:
+    """Create `folder` if need be (whether it was), refusing one that cannot be written before hours of
+    work, not after."""
+    created = not folder.is_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise AftgenError(f"{folder} is {_kind(folder)}, not a folder: give the path of a folder to write") from None
     except OSError as exc:
         raise AftgenError(f"cannot create folder {folder} ({exc.strerror or exc})") from None
     if not os.access(folder, os.W_OK):
         raise AftgenError(f"{folder}: folder is not writable")
-    for stale in folder.glob(f".*{_TEMPORARY}"):
-        with contextlib.suppress(OSError):
-            stale.unlink()
+    return created
+
+
+def _take_lock(path: Path, warn: Callable[[str], None]) -> int:
+    """The lock file's descriptor, flocked, with this process's PID written in it."""
+    while True:
+        check_output(path)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise AftgenError(f"cannot lock {path.parent} ({exc.strerror or exc})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_pid(fd)
+            os.close(fd)
+            raise AftgenError(
+                f"{path.parent} is being written by another aftgen process{f' (PID {holder})' if holder else ''}; "
+                "wait for it to end, stop it, or choose another folder"
+            ) from None
+        except OSError as exc:  # a file system without locks
+            os.close(fd)
+            raise AftgenError(f"cannot lock {path.parent} ({exc.strerror or exc})") from None
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # its holder removed it as it ended, between our open and our flock: lock the new one
+    if holder := _read_pid(fd):
+        warn(f"warning: {path.parent} was locked by process {holder}, which ended without unlocking it; taking over")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _read_pid(fd: int) -> str:
+    """The PID in a lock file ("" when there is none: just created, or cut short)."""
+    text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    return text if text.isdecimal() else ""
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def atomic_write(path: Path | str, data: bytes | str) -> None:

@@ -10,6 +10,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -261,6 +262,56 @@ def test_a_folder_holding_another_run_is_not_overwritten(tmp_path, corpus, tiny_
         train_tiny(corpus, downloaded, resume=True)
     train_tiny(corpus, downloaded, overwrite=True, max_steps=2)
     assert trained_step(downloaded) == 2
+
+
+def test_a_folder_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path):
+    from aftgen.files import LOCK, locked_folder
+
+    folder, warnings = tmp_path / "run", []
+    folder.mkdir()
+    (folder / LOCK).write_text("4242\n")  # left by a process killed while it wrote the folder
+    with locked_folder(folder, warnings.append):
+        assert warnings == [
+            f"warning: {folder} was locked by process 4242, which ended without unlocking it; taking over"
+        ]
+        assert (folder / LOCK).read_text() == f"{os.getpid()}\n"
+        with pytest.raises(
+            AftgenError, match=rf"{folder} is being written by another aftgen process \(PID {os.getpid()}\)"
+        ):
+            with locked_folder(folder, warnings.append):
+                pytest.fail("a second writer got in")
+        assert (folder / LOCK).read_text() == f"{os.getpid()}\n"  # the refused one left the lock alone
+    assert not (folder / LOCK).exists()
+    with locked_folder(folder, warnings.append):
+        pass
+    assert len(warnings) == 1 and folder.is_dir()  # a lock removed at exit is no dead writer's
+    with locked_folder(tmp_path / "new", warnings.append):
+        assert (tmp_path / "new").is_dir()
+    assert not (tmp_path / "new").exists()  # created for work that never wrote anything
+
+
+def test_two_trainers_into_one_folder_one_is_refused(tmp_path, corpus, tiny_run, capsys):
+    from aftgen.files import LOCK
+
+    out = tmp_path / "run"
+    first, second = spawn_training(corpus, out), spawn_training(corpus, out)
+    deadline = time.monotonic() + 180  # a safety net against a hung process, not a speed requirement
+    while first.poll() is None and second.poll() is None:
+        if time.monotonic() > deadline:
+            first.kill(), second.kill()
+            pytest.fail("neither trainer was refused")
+        time.sleep(0.05)
+    refused, running = (first, second) if first.poll() is not None else (second, first)
+    errors = [line for line in refused.communicate()[1].splitlines() if line.startswith("error:")]
+    assert refused.returncode == 2 and len(errors) == 1, errors
+    assert f"{out} is being written by another aftgen process (PID {running.pid})" in errors[0]
+    wait_for_checkpoint_after(out, 0, running)
+    running.kill()  # no time to remove its lock
+    running.communicate()
+    assert (out / LOCK).read_text() == f"{running.pid}\n"
+    train_tiny(corpus, out, resume=True, max_steps=trained_step(out) + 2)
+    assert f"was locked by process {running.pid}, which ended without unlocking it" in capsys.readouterr().err
+    assert not (out / LOCK).exists()
 
 
 # --- Bad input: exit code 2, one error line, no traceback ------------------------------------------
@@ -622,6 +673,47 @@ def test_read_config_on_arbitrary_bytes(content):
             read_config(folder)
         except AftgenError:
             pass
+
+
+def _socket(path: Path) -> None:
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))  # the socket file stays after the socket closes
+
+
+def _link_to_a_device(path: Path) -> None:
+    path.symlink_to(os.devnull)  # a device through a link: the write would replace the link, never /dev/null
+
+
+@pytest.mark.parametrize(
+    "make, kind",
+    [(os.mkfifo, "a FIFO"), (_socket, "a socket"), (Path.mkdir, "a folder"), (_link_to_a_device, "a device")],
+    ids=["fifo", "socket", "folder", "device"],
+)
+def test_a_state_file_onto_what_is_not_a_file_is_refused_and_leaves_it(tmp_path, tiny_run, make, kind):
+    target = tmp_path / "target"
+    make(target)
+    before = os.lstat(target)
+    result = invoke("sample", "--model", tiny_run, "--prompt", "KING:", "-n", "2", "--save-state", target)
+    assert_one_error(result, f"{target} is {kind}, not a file: give the path of a file to write")
+    after = os.lstat(target)
+    assert (after.st_mode, after.st_ino, after.st_rdev) == (before.st_mode, before.st_ino, before.st_rdev)
+
+
+def test_every_writer_refuses_a_fifo(tmp_path, corpus, tiny_run):
+    from aftgen import curves
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("KING: fair")
+    refused = f"{fifo} is a FIFO, not a file"
+    assert_one_error(invoke("prime", prompt, "--model", tiny_run, "--out", fifo), refused)
+    assert_one_error(
+        invoke("train", corpus, "--out", fifo, "--preset", "tiny", "--threads", "1"), "a FIFO, not a folder"
+    )
+    if curves.available():
+        assert_one_error(invoke("plot", tiny_run, "--out", fifo), refused)
+    assert fifo.exists() and not fifo.is_file()
 
 
 def test_atomic_writes_get_the_permissions_a_plain_open_would(tmp_path):

@@ -8,9 +8,11 @@ they train one model together (see distributed.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shlex
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -33,7 +35,7 @@ from aftgen.training.base import BaseModel
 from aftgen.training.optimizer import learning_rate, make_optimizer, set_learning_rate
 from aftgen.training.options import MODEL_FIELDS, RECIPE_FIELDS, TrainOptions
 from aftgen.training.progress import Interrupts, Reporter
-from aftgen.training.run_folder import RunFolder, TrainingState, describe_run
+from aftgen.training.run_folder import RunFolder, TrainingState, describe_run, open_run_folder
 
 EvalCallback = Callable[[dict], None]
 
@@ -64,8 +66,11 @@ def train(options: TrainOptions, quiet: bool = False, on_eval: EvalCallback | No
 
 def _train(options: TrainOptions, placement: Placement, world: World, quiet: bool, on_eval: EvalCallback | None):
     base = BaseModel.find(options.init_from, world) if options.init_from and not options.resume else None
-    folder = RunFolder(options, world, base.config if base else None)
-    with Reporter(quiet or not world.main) as reporter:
+    warn = functools.partial(print, file=sys.stderr)  # even when quiet: another process's lock taken over
+    with (
+        open_run_folder(options, world, base.config if base else None, warn) as folder,
+        Reporter(quiet or not world.main) as reporter,
+    ):
         corpus = _load_corpus(options, folder, base, world, quiet)
         options, placement = _settle(options, folder, corpus, base, placement, world, reporter.log)
         training = _start(options, folder, corpus, base, placement, world, reporter.log)

@@ -3,7 +3,9 @@ check) and every write to it: checkpoints, the training state, training.json and
 
 from __future__ import annotations
 
+import contextlib
 import shlex
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from aftgen.card import model_card
 from aftgen.checkpoint import is_checkpoint, save_checkpoint
 from aftgen.distributed import World
 from aftgen.errors import AftgenError
-from aftgen.files import prepare_folder
+from aftgen.files import locked_folder
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.tokenizer import Tokenizer
 from aftgen.training.averaging import WeightAverage
@@ -45,6 +47,16 @@ class TrainingState:
         return self.average.model if self.average else self.model
 
 
+@contextlib.contextmanager
+def open_run_folder(
+    options: TrainOptions, world: World, base: AFTConfig | None, warn: Callable[[str], None]
+) -> Iterator[RunFolder]:
+    """The run folder of `options`, kept to this run while the block runs (files.locked_folder: a second
+    run into it is refused); only the rank that writes it locks it."""
+    with locked_folder(options.run_folder, warn) if world.main else contextlib.nullcontext():
+        yield RunFolder(options, world, base)
+
+
 class RunFolder:
     """The run folder of `options`, checked before any work. Rank 0 alone checks held-out loss and writes."""
 
@@ -70,8 +82,6 @@ class RunFolder:
             self.metrics = read_run_files(self.path)[1]
         else:
             self.settings = options.resolved(base)  # refuses what contradicts a base model before any work
-        if world.main:
-            prepare_folder(self.path)
 
     def resumed_options(self, options: TrainOptions) -> TrainOptions:
         """`options` with what the user did not give taken from the run's record: a resumed run goes on
