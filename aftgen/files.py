@@ -167,6 +167,11 @@ def _same_file(fd: int, path: Path) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
+def is_count(value: object) -> bool:
+    """Whether a value read back from a JSON record is a whole number >= 0 (JSON's true and false are not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def atomic_write(path: Path | str, data: bytes | str) -> None:
     """Write bytes or text to `path` atomically."""
     with atomic_open(path, "wb") as handle:

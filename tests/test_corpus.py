@@ -362,6 +362,14 @@ def _unfinished_with_an_impossible_span(folder: Path) -> None:
     (folder / "progress.json").write_text(json.dumps(progress))
 
 
+NESTED = "[" * 100_000 + "]" * 100_000  # deeper than Python's json can read
+
+
+def _unfinished_with_nested_progress(folder: Path) -> None:
+    (folder / "tokens.json").unlink()
+    (folder / "progress.json").write_text(NESTED)
+
+
 @pytest.mark.parametrize(
     "damage",
     [
@@ -372,8 +380,11 @@ def _unfinished_with_an_impossible_span(folder: Path) -> None:
         _manifest_without("bytes"),
         _id_past_the_vocabulary,
         _unfinished_with_an_impossible_span,
+        lambda folder: (folder / "tokens.json").write_text(NESTED),
+        _unfinished_with_nested_progress,
     ],
-    ids=["empty object", "list", "null", "truncated", "no bytes", "id past vocabulary", "impossible span"],
+    ids=["empty object", "list", "null", "truncated", "no bytes", "id past vocabulary", "impossible span"]
+    + ["nested 100k deep", "progress nested 100k deep"],
 )
 def test_a_damaged_cache_entry_is_prepared_again_with_a_warning(tmp_path, damage):
     path = write_text(tmp_path / "a.txt", corpus_text(20_000))

@@ -57,6 +57,10 @@ def temporaries(out: Path) -> list[Path]:
     return list(out.glob(".*.tmp"))
 
 
+def metric_steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 # --- Training never loses work --------------------------------------------------------------------
 
 
@@ -111,6 +115,7 @@ def test_sigkill_at_random_points_loses_nothing(tmp_path, corpus, tiny_run):
     train_tiny(corpus, out, resume=True, max_steps=step + 2)
     assert trained_step(out) == step + 2
     assert temporaries(out) == []  # what the kills left half-written was cleaned up
+    assert metric_steps(out) == sorted(set(metric_steps(out)))  # a check redone after a kill is there once
     aftgen.load(out)
 
 
@@ -262,6 +267,28 @@ def test_a_folder_holding_another_run_is_not_overwritten(tmp_path, corpus, tiny_
         train_tiny(corpus, downloaded, resume=True)
     train_tiny(corpus, downloaded, overwrite=True, max_steps=2)
     assert trained_step(downloaded) == 2
+
+
+def test_a_failed_save_never_repeats_a_held_out_check(tmp_path, corpus, tiny_run, monkeypatch):
+    """Step 4's row is in metrics.jsonl but its checkpoint failed: the resumed run checks step 4 again,
+    and the row is there once."""
+    from aftgen.training import run_folder
+
+    save = run_folder.save_training_state
+
+    def fails_at_step_4(folder, model, optimizer, generator, info, average=None):
+        if info["step"] == 4:
+            raise AftgenError("disk full")
+        save(folder, model, optimizer, generator, info, average)
+
+    monkeypatch.setattr(run_folder, "save_training_state", fails_at_step_4)
+    out = tmp_path / "run"
+    with pytest.raises(AftgenError, match="disk full"):
+        train_tiny(corpus, out)
+    assert metric_steps(out) == [2, 4] and trained_step(out) == 2
+    monkeypatch.setattr(run_folder, "save_training_state", save)
+    train_tiny(corpus, out, resume=True)
+    assert metric_steps(out) == [2, 4, 6, 8]
 
 
 def test_a_folder_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path):
@@ -518,6 +545,51 @@ CHECKPOINT_CASES = {
     "tokenizer garbage": (_write(TOKENIZER, b"\x08\x96\x01 definitely not sentencepiece"), "not a valid SentencePiece"),
     "tokenizer truncated": (_write(TOKENIZER, lambda p: p.read_bytes()[:100]), "not a valid SentencePiece"),
 }
+
+
+def _with_metrics_row(row: dict):
+    def damage(out: Path) -> None:
+        with open(out / "metrics.jsonl", "a") as metrics:
+            metrics.write(json.dumps(row) + "\n")
+
+    return damage
+
+
+def _with_run_description(text: str):
+    """The training state's header describing the run as `text` (JSON, or not)."""
+
+    def damage(out: Path) -> None:
+        from aftgen.checkpoint import safetensors_metadata
+
+        metadata = safetensors_metadata(out / TRAINING_STATE) | {"info": text}
+        save_file(load_file(out / TRAINING_STATE), out / TRAINING_STATE, metadata=metadata)
+
+    return damage
+
+
+def _without_settings(out: Path) -> None:
+    from aftgen.checkpoint import safetensors_metadata
+
+    info = json.loads(safetensors_metadata(out / TRAINING_STATE)["info"])
+    _with_run_description(json.dumps({key: value for key, value in info.items() if key != "settings"}))(out)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_with_metrics_row({"held_out_nats_per_char": 2.0}), r"metrics.jsonl: line 3 has no step"),
+        (_with_metrics_row({"step": "4", "held_out_nats_per_char": 2.0}), r"metrics.jsonl: line 3 has no step"),
+        (_without_settings, "cannot read training state .*settings lack"),
+        (_with_run_description("[]"), "cannot read training state .*not a JSON object"),
+        (_with_run_description("[" * 100_000 + "]" * 100_000), "cannot read training state .*recursion"),
+    ],
+    ids=["metrics row without step", "string step", "no settings", "a list", "nested 100k deep"],
+)
+def test_damaged_run_records_on_resume_are_one_error(tmp_path, corpus, tiny_run, damage, message):
+    out = tmp_path / "run"
+    shutil.copytree(tiny_run, out)
+    damage(out)
+    assert_one_error(invoke("train", corpus, "--out", out, "--resume", "--threads", "1"), message)
 
 
 @pytest.mark.parametrize("case", CHECKPOINT_CASES)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from aftgen.corpus.token_file import TokenFile
-from aftgen.files import atomic_write
+from aftgen.files import atomic_write, is_count
 
 FORMAT = 1  # bump when what a cache entry holds changes
 PARTS = ("held_out", "train")
@@ -52,10 +52,6 @@ def corpus_folder(key: str) -> Path:
 
 def _fresh() -> dict:
     return {"span": 0, "char": 0, "tokens": 0, "bytes": 0}
-
-
-def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 Warn = Callable[[str], None]
@@ -119,7 +115,7 @@ class TokenFiles:
         """A progress record or manifest read from the folder, and what is wrong with it (None: nothing)."""
         try:
             record = json.loads((self.folder / name).read_text())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested past what json reads
             return {}, f"unreadable: {exc}"
         if not isinstance(record, dict):
             return {}, "not a JSON object"
@@ -138,7 +134,7 @@ class TokenFiles:
             return "its parts are not an object"
         for part in PARTS:
             counts, spans = parts.get(part), self.spans[part]
-            if not isinstance(counts, dict) or not all(_count(counts.get(key)) for key in _fresh()):
+            if not isinstance(counts, dict) or not all(is_count(counts.get(key)) for key in _fresh()):
                 return f"'{part}' lacks a count of span, char, tokens and bytes"
             span, char, tokens = counts["span"], counts["char"], counts["tokens"]
             if span > len(spans) or (span == len(spans) and char) or (span < len(spans) and char > spans[span]):

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from aftgen.errors import AftgenError
-from aftgen.files import atomic_write
+from aftgen.files import atomic_write, is_count
 
 TRAINING_INFO, METRICS = "training.json", "metrics.jsonl"
 
@@ -21,13 +21,16 @@ def write_metrics(folder: Path, rows: list[dict]) -> None:
 
 
 def read_run_files(folder: Path) -> tuple[dict, list[dict]]:
-    """training.json and metrics.jsonl of a run folder (empty where absent)."""
+    """training.json and metrics.jsonl of a run folder (empty where absent); every row has its step."""
     try:
         info = json.loads((folder / TRAINING_INFO).read_text()) if (folder / TRAINING_INFO).exists() else {}
         lines = (folder / METRICS).read_text().splitlines() if (folder / METRICS).exists() else []
-        metrics = [json.loads(line) for line in lines if line.strip()]
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AftgenError(f"{folder}: cannot read {TRAINING_INFO} or {METRICS} ({exc})") from None
-    if not isinstance(info, dict) or not all(isinstance(row, dict) for row in metrics):
+        rows = {number: json.loads(line) for number, line in enumerate(lines, 1) if line.strip()}
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise AftgenError(f"{folder}: cannot read {TRAINING_INFO} or {METRICS} ({str(exc)[:200]})") from None
+    if not isinstance(info, dict) or not all(isinstance(row, dict) for row in rows.values()):
         raise AftgenError(f"{folder}: {TRAINING_INFO} or {METRICS} does not hold JSON objects")
-    return info, metrics
+    for number, row in rows.items():
+        if not is_count(row.get("step")):
+            raise AftgenError(f"{folder / METRICS}: line {number} has no step (a whole number); delete that line")
+    return info, list(rows.values())

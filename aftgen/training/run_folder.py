@@ -79,7 +79,8 @@ class RunFolder:
             self.settings, self.best, self.base_model = saved["settings"], saved.get("best"), saved.get("base_model")
             self.saved_world_size = saved.get("world_size", 1)
             self.recipe, self._saved_options = saved.get("recipe"), saved.get("options", {})
-            self.metrics = read_run_files(self.path)[1]
+            # checks past the checkpoint (a save that failed, a kill before it) are made again: never twice
+            self.metrics = [row for row in read_run_files(self.path)[1] if row["step"] <= saved["step"]]
         else:
             self.settings = options.resolved(base)  # refuses what contradicts a base model before any work
 

@@ -5,6 +5,7 @@ states, everything `--resume` needs, in one atomic write and no pickle. Its head
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -15,8 +16,9 @@ from safetensors.torch import save as save_safetensors
 
 from aftgen.checkpoint import safetensors_metadata
 from aftgen.errors import AftgenError
-from aftgen.files import atomic_write
+from aftgen.files import atomic_write, is_count
 from aftgen.model import AFTLM
+from aftgen.training.options import MODEL_FIELDS
 
 TRAINING_STATE = "training_state.safetensors"
 
@@ -44,18 +46,47 @@ def save_training_state(
     atomic_write(folder / TRAINING_STATE, save_safetensors(tensors, metadata=metadata))
 
 
-def _bad_training_state(path: Path, exc: Exception) -> AftgenError:
-    return AftgenError(f"{path}: cannot read training state ({str(exc)[:200]}); start again with --overwrite")
+def _bad_training_state(path: Path, reason: object) -> AftgenError:
+    return AftgenError(f"{path}: cannot read training state ({str(reason)[:200]}); start again with --overwrite")
 
 
 def read_training_info(folder: Path) -> tuple[dict, list]:
-    """The run's description (settings, step, ...) and the optimiser's param groups, from the state file's header."""
+    """The run's description (settings, step, ...) and the optimiser's param groups, from the state file's
+    header, checked to hold what a resumed run reads."""
     path = folder / TRAINING_STATE
     try:
         metadata = safetensors_metadata(path)
-        return json.loads(metadata["info"]), json.loads(metadata["param_groups"])
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-        raise _bad_training_state(path, exc) from None
+        info, groups = json.loads(metadata["info"]), json.loads(metadata["param_groups"])
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, struct.error) as exc:
+        raise _bad_training_state(path, exc) from None  # RecursionError: JSON nested deeper than json reads
+    problem = _description_problem(info) if isinstance(groups, list) else "its optimiser groups are not a list"
+    if problem:
+        raise _bad_training_state(path, problem)
+    return info, groups
+
+
+def _description_problem(info: object) -> str | None:
+    """What a resumed run would fail to read in the header's description of the run, or None."""
+    if not isinstance(info, dict):
+        return "its description is not a JSON object"
+    settings = info.get("settings")
+    if not isinstance(settings, dict) or not all(name in settings for name in (*MODEL_FIELDS, "batch_size")):
+        return f"its settings lack some of {', '.join((*MODEL_FIELDS, 'batch_size'))}"
+    if not is_count(settings["batch_size"]) or not settings["batch_size"]:
+        return f"batch_size {settings['batch_size']!r} is not a whole number above 0"
+    if not is_count(info.get("step")) or not _is_number(info.get("elapsed")):
+        return "it lacks the step or the time trained"
+    best = info.get("best")
+    if best is not None and not (
+        isinstance(best, dict) and is_count(best.get("step")) and _is_number(best.get("held_out_nats_per_char"))
+    ):
+        return "its best held-out check lacks a step or a score"
+    wrong = [name for name in ("options", "recipe", "base_model") if not isinstance(info.get(name) or {}, dict)]
+    return f"its {wrong[0]} is not a JSON object" if wrong else None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def load_training_state(
