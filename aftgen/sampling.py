@@ -48,66 +48,89 @@ def _number(value: float) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+Filter = Callable[..., torch.Tensor]  # (B, V) logits, each row's value (B, 1)[, its recent tokens (B, V)] -> logits
+
+
 @dataclass(frozen=True)
 class Control:
     """A sampling control: its default (whose type is the control's), range and help, and its filter.
 
     `aftgen sample` and `aftgen chat` take each one in CONTROLS as an option, the server as a request
-    field, SamplingOptions as a keyword; the engine draws rows together only when they agree on all.
+    field, SamplingOptions as a keyword. The engine draws every row of its batch in one pass, so a filter
+    takes the logits (B, V) and each row's value (B, 1), and returns logits (tokens ruled out: -inf).
     """
 
     default: float
     range: Range
     help: str
-    # (B, V) logits and the control's value -> logits; None: read with each row's history (the repeat penalty)
-    filter: Callable[[torch.Tensor, float], torch.Tensor] | None = None
+    filter: Filter | None = None  # None: a setting another control's filter reads (see `history`)
+    # A value at which the filter leaves a row exactly as it is: a batch whose rows all have it skips the
+    # filter, and a row that has it is filtered beside the others unchanged (None: the filter always runs).
+    neutral: float | None = None
+    # The control that says how many of a row's recent tokens this filter reads: the filter then takes a
+    # third argument, (B, V) True where the token is among them. Such filters run first, on the model's
+    # scores, and a greedy row picks from what they leave.
+    history: str | None = None
 
     @property
     def type(self) -> type:
         return type(self.default)
 
 
-def divide_by_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def divide_by_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     # Less the top logit first (softmax does not mind): a small temperature then sends the others to -inf,
-    # never to +inf. Below GREEDY_BELOW it never gets here: choose() takes the argmax first.
+    # never to +inf. A greedy row (below GREEDY_BELOW) is divided too, beside the others, but by
+    # GREEDY_BELOW: choose() takes its argmax, and its scores here only must not overflow.
     logits = logits.float()
-    return (logits - logits.amax(-1, keepdim=True)) / temperature
+    return (logits - logits.amax(-1, keepdim=True)) / temperature.clamp(min=GREEDY_BELOW)
 
 
-def keep_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    if not top_k or top_k >= logits.shape[-1]:
-        return logits
-    kept = torch.topk(logits, top_k, dim=-1).indices  # exactly k, ties broken by topk
-    return torch.full_like(logits, float("-inf")).scatter(-1, kept, logits.gather(-1, kept))
-
-
-def keep_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-    cumulative = sorted_logits.softmax(-1).cumsum(-1)
-    # Keep the smallest set whose probability reaches top_p: a token goes if the ones before it already do.
-    # The likeliest always stays, even for a top_p that float32 rounds to 0.
-    before = torch.cat([torch.full_like(cumulative[..., :1], -1.0), cumulative[..., :-1]], dim=-1)
-    drop_sorted = before >= top_p
+def keep_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    top_k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # 0: off
+    order = logits.argsort(dim=-1, descending=True, stable=True)  # exactly k, ties to the lower id
+    drop_sorted = torch.arange(vocab, device=logits.device) >= top_k
     return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
 
 
-def keep_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    if min_p <= 0:
-        return logits
+def keep_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1, stable=True)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    # Keep the smallest set whose probability reaches top_p: a token goes if the ones before it already do.
+    # The likeliest always stays, even for a top_p that float32 rounds to 0; at 1 every token stays, even
+    # where the sum before the last rounds up to 1.
+    before = torch.cat([torch.full_like(cumulative[..., :1], -1.0), cumulative[..., :-1]], dim=-1)
+    drop_sorted = (before >= top_p) & (top_p < 1.0)
+    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+
+
+def keep_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(-1)
     return logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
 
 
-# Every sampling control, by name; the filters run in this order (temperature first).
+def apply_repeat_penalty(logits: torch.Tensor, penalty: torch.Tensor, recent: torch.Tensor) -> torch.Tensor:
+    """CTRL's penalty, as llama.cpp applies it: divide positive logits of recent tokens, multiply negative ones.
+    recent: (B, V) True where the token is among the row's recent ones (each counted once)."""
+    return torch.where(recent, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+# Every sampling control, by name; the filters run in this order (temperature first), those that read a
+# row's history before the others.
 CONTROLS: dict[str, Control] = {
     "temperature": Control(0.8, Range(0, 2), f"0 (or below {GREEDY_BELOW:g}): greedy.", divide_by_temperature),
-    "top_k": Control(0, Range(0), "Keep the k likeliest tokens (0: off).", keep_top_k),
-    "top_p": Control(1.0, Range(0, 1, open_low=True), "Keep the smallest set reaching p.", keep_top_p),
-    "min_p": Control(0.0, Range(0, 1, open_high=True), "Drop tokens below min_p x the top probability.", keep_min_p),
+    "top_k": Control(0, Range(0), "Keep the k likeliest tokens (0: off).", keep_top_k, neutral=0),
+    "top_p": Control(1.0, Range(0, 1, open_low=True), "Keep the smallest set reaching p.", keep_top_p, neutral=1.0),
+    "min_p": Control(
+        0.0, Range(0, 1, open_high=True), "Drop tokens below min_p x the top probability.", keep_min_p, neutral=0.0
+    ),
     "repeat_penalty": Control(  # 1e-4 already makes a recent token all but certain; below, logits only overflow
-        1.0, Range(1e-4, 100), "Divide recent tokens' positive logits by this (1: off)."
+        1.0,
+        Range(1e-4, 100),
+        "Divide recent tokens' positive logits by this (1: off).",
+        apply_repeat_penalty,
+        neutral=1.0,
+        history="repeat_last_n",
     ),
     "repeat_last_n": Control(64, Range(0, MAX_REPEAT_LAST_N), "How many recent tokens the penalty covers."),
 }
@@ -152,10 +175,6 @@ class SamplingOptions:
         except KeyError:
             raise AttributeError(name) from None
 
-    def key(self) -> tuple:
-        """What the filters read: rows with equal keys can be drawn together."""
-        return tuple(value for name, value in self.controls.items() if CONTROLS[name].filter is not None)
-
     def check(self) -> None:
         """Refuse values outside their meaning, before any work."""
         if self.max_new_tokens < -1:
@@ -169,20 +188,46 @@ class SamplingOptions:
             raise AftgenError("--stop strings must not be empty")
 
 
-def apply_repeat_penalty(logits: torch.Tensor, recent: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL's penalty, as llama.cpp applies it: divide positive logits of recent tokens, multiply negative ones."""
-    if penalty == 1.0 or recent.numel() == 0:
-        return logits
-    picked = logits.gather(-1, recent)
-    return logits.scatter(-1, recent, torch.where(picked > 0, picked / penalty, picked * penalty))
+def filter_logits(logits: torch.Tensor, options: SamplingOptions | Sequence[SamplingOptions]) -> torch.Tensor:
+    """The filters that read no history (temperature, top-k, top-p, min-p) in turn, each row with its own
+    options (one for all the rows, or one per row): tokens ruled out get -inf. logits: (B, V)."""
+    rows = _per_row(options, logits.shape[0])
+    return _filtered(logits, rows, [name for name, control in CONTROLS.items() if control.history is None])
 
 
-def filter_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
-    """Every control's filter in turn (temperature, top-k, top-p, min-p): tokens ruled out get -inf. logits: (B, V)."""
-    for name, value in options.controls.items():
-        if CONTROLS[name].filter is not None:
-            logits = CONTROLS[name].filter(logits, value)
+def _per_row(given: object, count: int) -> list:
+    """One per row: `given` for every row, or `given` itself where it already is a sequence."""
+    return list(given) if isinstance(given, Sequence) else [given] * count
+
+
+def _filtered(
+    logits: torch.Tensor, rows: list[SamplingOptions], names: list[str], history: Sequence[torch.Tensor] = ()
+) -> torch.Tensor:
+    """The named controls' filters in turn, each row with its own value; one whose rows are all at its
+    neutral value is skipped."""
+    for name in names:
+        control = CONTROLS[name]
+        values = [row.controls[name] for row in rows]
+        if control.filter is None or (control.neutral is not None and all(v == control.neutral for v in values)):
+            continue
+        column = torch.tensor([[float(value)] for value in values], device=logits.device)
+        if control.history is None:
+            logits = control.filter(logits, column)
+        else:
+            lengths = [int(row.controls[control.history]) for row in rows]
+            logits = control.filter(logits, column, recent_tokens(history, lengths, logits.shape[-1], logits.device))
     return logits
+
+
+def recent_tokens(
+    history: Sequence[torch.Tensor], lengths: list[int], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """(B, vocab): True where a token is among its row's last `lengths[row]` ids (history: one row of ids each)."""
+    recent = torch.zeros(len(lengths), vocab, dtype=torch.bool)
+    for row, ids, length in zip(recent, history, lengths, strict=True):
+        if length:
+            row[ids[-length:]] = True
+    return recent.to(device)
 
 
 class ScoresNotFinite(AftgenError):
@@ -198,41 +243,47 @@ class ScoresNotFinite(AftgenError):
 
 def choose(
     logits: torch.Tensor,
-    options: SamplingOptions,
-    history: torch.Tensor,
+    options: SamplingOptions | Sequence[SamplingOptions],
+    history: Sequence[torch.Tensor],
     generator: torch.Generator | Sequence[torch.Generator],
 ) -> torch.Tensor:
-    """The next token for each row of logits (B, V), given each row's token history (B, n).
+    """The next token for each row of logits (B, V), every row in one pass with its own options and its own
+    recent ids (`history`: a (B, n) tensor, or one 1-D tensor per row, oldest first).
 
-    `generator`: one for all the rows, or one per row; then each row draws exactly what it would
-    draw alone (a server samples many sequences at once, and each still follows its own seed).
-    Raises ScoresNotFinite, naming the rows, before any generator draws.
+    `options` and `generator`: one for all the rows, or one per row. Each row draws from its generator
+    exactly what it would draw alone, so a server's sequence follows its own seed whatever runs beside it;
+    a greedy row draws nothing. Raises ScoresNotFinite, naming the rows, before any generator draws.
     """
-    recent = history[:, -options.repeat_last_n :] if options.repeat_last_n else history[:, :0]
-    # Sampling runs on the CPU whatever the model's device: the generator is a CPU one, and a seed
-    # then gives the same text on any device.
-    logits = apply_repeat_penalty(logits.float().cpu(), recent, options.repeat_penalty)
-    unusable = ~torch.isfinite(logits.amax(-1))  # the top is NaN if any is, +inf if any is, -inf if all are
+    count = logits.shape[0]
+    rows, generators = _per_row(options, count), _per_row(generator, count)
+    reading = [name for name, control in CONTROLS.items() if control.history is not None]
+    scores = _filtered(logits.float(), rows, reading, history)
+    unusable = ~torch.isfinite(scores.amax(-1))  # the top is NaN if any is, +inf if any is, -inf if all are
     if unusable.any():
         raise ScoresNotFinite(unusable.nonzero()[:, 0].tolist())
-    if options.temperature < GREEDY_BELOW:
-        return logits.argmax(-1)
-    probs = filter_logits(logits, options).softmax(-1)
-    if isinstance(generator, torch.Generator):
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
-    return exponential_race(probs, generator)
+    greedy = [row.temperature < GREEDY_BELOW for row in rows]
+    if all(greedy):
+        return scores.argmax(-1)
+    probs = filter_logits(scores, rows).softmax(-1)
+    drawn = exponential_race(probs, [None if g else generator for g, generator in zip(greedy, generators, strict=True)])
+    if any(greedy):
+        drawn = torch.where(torch.tensor(greedy, device=drawn.device), scores.argmax(-1), drawn)
+    return drawn
 
 
-def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """One token per row of probs (B, V): argmax of p / q, q ~ Exp(1) drawn from the row's generator.
+def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probs (B, V): argmax of p / q, q ~ Exp(1) drawn from the row's generator
+    (None: the row draws nothing, and its token means nothing).
 
     This is how torch.multinomial draws a single sample, draw for draw (tests/test_serve.py checks
-    it), but the division and the argmax run once for all the rows.
+    it), but the division and the argmax run once for all the rows. The generators are CPU ones,
+    whatever the device: a seed then draws the same on any.
     """
-    race = torch.empty_like(probs)
+    race = torch.ones(probs.shape)
     for row, generator in zip(race, generators, strict=True):
-        row.exponential_(1, generator=generator)
-    return (probs / race).argmax(-1)
+        if generator is not None:
+            row.exponential_(1, generator=generator)
+    return (probs / race.to(probs.device)).argmax(-1)
 
 
 class StopFilter:
@@ -395,8 +446,7 @@ class TextStream:
         return self.stops.stopped or 0 <= limit <= self.produced
 
     def next_token(self) -> torch.Tensor:
-        context = self.context
-        return choose(context.logits, self.options, context.recent, context.generator)
+        return next_tokens([self])
 
     def accept(self, token: torch.Tensor, logits: torch.Tensor) -> str:
         """Read `token` (1,) into the context, with the logits (1, vocab) the model gave after it."""
@@ -415,6 +465,18 @@ class TextStream:
         else:
             tail, self.context.pending = "", self.decoder.pending()
         return self.stops.feed(tail) + ("" if self.stops.stopped else self.stops.flush())
+
+
+def next_tokens(streams: Sequence[TextStream]) -> torch.Tensor:
+    """Each stream's next token (B,), drawn together in one pass, each from its own options, recent
+    tokens and generator (see choose): ScoresNotFinite names streams by their index."""
+    contexts = [stream.context for stream in streams]
+    return choose(
+        torch.cat([context.logits for context in contexts]),
+        [stream.options for stream in streams],
+        [context.recent[0] for context in contexts],
+        [context.generator for context in contexts],
+    )
 
 
 @torch.inference_mode()

@@ -1,6 +1,6 @@
 """A sampling control is one entry in aftgen.sampling.CONTROLS: one added at run time is an option of
 `aftgen sample` and `aftgen chat`, a field the server checks against its range, and a setting the
-engine never mixes up between the rows of one batch."""
+engine draws beside other rows, each row with its own value."""
 
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ runner = CliRunner()
 
 
 @pytest.fixture
-def spread(monkeypatch) -> list[tuple[float, int]]:
+def spread(monkeypatch) -> list[tuple[float, ...]]:
     """A test-only control `spread` in [0.5, 4], added as a real one is: its filter divides the logits by
-    it and records each (value, rows) it is called with. Removed again after the test."""
-    seen: list[tuple[float, int]] = []
+    each row's value and records the values (one per row) of every call. Removed again after the test."""
+    seen: list[tuple[float, ...]] = []
 
-    def divide(logits: torch.Tensor, value: float) -> torch.Tensor:
-        seen.append((value, logits.shape[0]))
-        return logits / value
+    def divide(logits: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(values.flatten().tolist()))
+        return logits / values
 
     monkeypatch.setitem(CONTROLS, "spread", Control(1.0, Range(0.5, 4), "Test only: flatten the odds.", divide))
     return seen
@@ -47,28 +47,27 @@ def test_sample_hands_a_new_control_to_its_filter(spread, tiny_run):
     args = ["sample", "--model", str(tiny_run), "--device", DEVICE, "-p", "KING:", "-n", "3", "--spread", "2"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.stderr
-    assert spread and set(spread) == {(2.0, 1)}
+    assert spread and set(spread) == {(2.0,)}
 
 
 def test_the_server_takes_a_new_control_within_its_range(spread, tiny_run):
     with running(tiny_run) as url:
         taken = post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 2, "spread": 2})
         assert taken.status_code == 200, taken.text
-        assert (2.0, 1) in spread
+        assert (2.0,) in spread
         refused = post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 2, "spread": 9})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "spread"
         assert "[0.5, 4]" in refused.json()["error"]["message"]
 
 
-def test_rows_that_differ_only_in_a_new_control_are_drawn_apart(spread, tiny_run):
-    """Two requests stepped in one batch: drawn together when they agree on every control, apart when
-    they differ in the new one alone."""
+def test_rows_that_differ_in_a_new_control_are_drawn_together_each_with_its_own_value(spread, tiny_run):
+    """Two requests stepped in one batch: one call of the filter a token, with each row's own value."""
     model, tokenizer = load(tiny_run, device=DEVICE)
     engine = Engine(model, tokenizer, ServeOptions(cache_mb=0), resolve(DEVICE, "fp32"))
     events: list = []
     engine.publish = events.extend
 
-    def run(*values: float) -> list[tuple[float, int]]:
+    def run(*values: float) -> list[tuple[float, ...]]:
         spread.clear()
         for value in values:
             options = SamplingOptions(max_new_tokens=3, temperature=1.0, seed=1, spread=value)
@@ -78,5 +77,5 @@ def test_rows_that_differ_only_in_a_new_control_are_drawn_apart(spread, tiny_run
         events.clear()
         return spread
 
-    assert set(run(2.0, 2.0)) == {(2.0, 2)}
-    assert set(run(0.5, 2.0)) == {(0.5, 1), (2.0, 1)}
+    assert set(run(2.0, 2.0)) == {(2.0, 2.0)}
+    assert set(run(0.5, 2.0)) == {(0.5, 2.0)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from aftgen.sampling import (
     filter_logits,
     generate,
     read_prompt,
+    recent_tokens,
 )
 from aftgen.state import load_state, save_state
 
@@ -40,6 +42,13 @@ PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 
 def kept(logits: torch.Tensor, **options) -> int:
     return int(torch.isfinite(filter_logits(logits, SamplingOptions(temperature=1.0, **options))).sum())
+
+
+def penalised(logits: torch.Tensor, history: torch.Tensor, penalty: float, last_n: int = 64) -> torch.Tensor:
+    """Every row of logits with the same repeat penalty over its own history's last n ids."""
+    rows, vocab = logits.shape
+    recent = recent_tokens(history, [last_n] * rows, vocab, logits.device)
+    return apply_repeat_penalty(logits, torch.full((rows, 1), penalty), recent)
 
 
 def test_top_k_keeps_exactly_k_even_with_ties():
@@ -89,10 +98,10 @@ def test_the_smallest_temperature_and_penalty_sample_from_finite_probabilities()
     torch.manual_seed(0)
     logits, history = torch.randn(16, 50) * 1e6, torch.randint(0, 50, (16, 8))
     options = SamplingOptions(temperature=GREEDY_BELOW, repeat_penalty=1e-4)
-    probs = filter_logits(apply_repeat_penalty(logits, history, 1e-4), options).softmax(-1)
+    probs = filter_logits(penalised(logits, history, 1e-4), options).softmax(-1)
     assert torch.isfinite(probs).all()
     drawn = choose(logits, options, history, [torch.Generator().manual_seed(i) for i in range(16)])
-    assert torch.equal(drawn, apply_repeat_penalty(logits, history, 1e-4).argmax(-1))  # the gaps are that large
+    assert torch.equal(drawn, penalised(logits, history, 1e-4).argmax(-1))  # the gaps are that large
 
 
 def test_rows_whose_scores_are_not_finite_are_refused_by_name_before_anything_is_drawn():
@@ -110,10 +119,40 @@ def test_rows_whose_scores_are_not_finite_are_refused_by_name_before_anything_is
     assert int(first) >= 4  # never a ruled-out token
 
 
+def test_rows_with_their_own_settings_draw_together_what_each_draws_alone():
+    """One pass for 32 rows, each with its own controls (some at their neutral values, some greedy), its own
+    history and seed, three tokens running: each row draws what it draws alone, and its generator ends
+    where it would alone (a greedy row's does not move)."""
+    torch.manual_seed(0)
+    pick = random.Random(0)
+    logits, history = torch.randn(32, 50) * 3, torch.randint(0, 50, (32, 12))
+    rows = [
+        SamplingOptions(
+            temperature=pick.choice([0.0, GREEDY_BELOW / 2, 0.3, 0.8, 1.5]),
+            top_k=pick.choice([0, 1, 5, 50, 1 << 64]),
+            top_p=pick.choice([1.0, 0.9, 0.3, 1e-300]),
+            min_p=pick.choice([0.0, 0.05, 0.5]),
+            repeat_penalty=pick.choice([1.0, 1.3, 0.5, 1e-4]),
+            repeat_last_n=pick.choice([0, 3, 64]),
+        )
+        for _ in range(32)
+    ]
+    alone = [torch.Generator().manual_seed(seed) for seed in range(32)]
+    together = [torch.Generator().manual_seed(seed) for seed in range(32)]
+    for _ in range(3):
+        singles = [int(choose(logits[i : i + 1], rows[i], history[i : i + 1], alone[i])) for i in range(len(rows))]
+        assert choose(logits, rows, history, together).tolist() == singles
+        logits = logits.roll(1, dims=-1)
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(alone, together, strict=True))
+    greedy = [i for i, row in enumerate(rows) if row.temperature < GREEDY_BELOW]
+    assert greedy and all(
+        torch.equal(together[i].get_state(), torch.Generator().manual_seed(i).get_state()) for i in greedy
+    )
+
+
 def test_repeat_penalty_lowers_recent_tokens_logits():
     logits = torch.tensor([[2.0, -2.0, 1.0]])
-    penalised = apply_repeat_penalty(logits, torch.tensor([[0, 1, 0]]), 2.0)
-    assert penalised.tolist() == [[1.0, -4.0, 1.0]]
+    assert penalised(logits, torch.tensor([[0, 1, 0]]), 2.0).tolist() == [[1.0, -4.0, 1.0]]  # each token once
     # Through choose: a greedy pick moves off a token made recently.
     options = SamplingOptions(temperature=0, repeat_penalty=3.0, repeat_last_n=2)
     assert int(choose(torch.tensor([[2.0, 1.0]]), options, torch.tensor([[0]]), torch.Generator())) == 1

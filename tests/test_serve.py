@@ -934,3 +934,44 @@ def test_a_row_that_cannot_draw_fails_its_own_request_alone(tiny_run, monkeypatc
     assert seen(tickets["good"], Done) and engine.occupied() == 0 and not engine.busy_sessions
     assert tokens_read(engine.sessions.get("good").state) == good_read + len(tokenizer.encode(" and")) + 12
     assert engine.sessions.get("damaged") is not None
+
+
+def test_thirty_two_rows_each_with_its_own_settings_give_what_each_gives_alone(tiny_run):
+    """Driven turn by turn: 32 seeded requests, each with its own temperature, top-k, top-p, min-p and repeat
+    penalty (some greedy, some at the neutral values), drawn in one pass a token: each request's text is what
+    it gives alone, and a second engine (the next start of the server) gives the same again."""
+    model, tokenizer = load(tiny_run, device=DEVICE)
+    pick = random.Random(0)
+    settings = [
+        dict(
+            seed=seed,
+            temperature=pick.choice([0.0, 0.5, 0.9, 1.5]),
+            top_k=pick.choice([0, 3, 40]),
+            top_p=pick.choice([1.0, 0.9, 0.5]),
+            min_p=pick.choice([0.0, 0.1]),
+            repeat_penalty=pick.choice([1.0, 1.3, 0.7]),
+            repeat_last_n=pick.choice([0, 4, 64]),
+        )
+        for seed in range(32)
+    ]
+    prompts = [("KING:", "NURSE:", "ROMEO:", "JULIET: ")[i % 4] for i in range(32)]
+
+    def served() -> list[str]:
+        engine = Engine(model, tokenizer, ServeOptions(cache_mb=0, parallel=32), resolve(DEVICE, "fp32"))
+        events: list = []
+        engine.publish = events.extend
+        tickets = [
+            engine.submit(Work(tokenizer.encode(prompt), SamplingOptions(max_new_tokens=16, **each)))
+            for prompt, each in zip(prompts, settings, strict=True)
+        ]
+        while sum(isinstance(event, Done) for _, event in events) < len(tickets):
+            engine.turn()
+        assert not [event for _, event in events if isinstance(event, Failed)]
+        return ["".join(e.text for owner, e in events if owner is t and isinstance(e, Text)) for t in tickets]
+
+    alone = []
+    for prompt, each in zip(prompts, settings, strict=True):
+        context = read_prompt(model, tokenizer, prompt, seed=each["seed"])
+        alone.append("".join(generate(model, tokenizer, context, SamplingOptions(max_new_tokens=16, **each))))
+    assert served() == alone
+    assert served() == alone

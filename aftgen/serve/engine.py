@@ -23,7 +23,7 @@ from aftgen import cores
 from aftgen.device import Placement
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, tokens_read
-from aftgen.sampling import Context, PromptReader, ScoresNotFinite, TextStream, choose, new_generator, opening
+from aftgen.sampling import Context, PromptReader, ScoresNotFinite, TextStream, new_generator, next_tokens, opening
 from aftgen.serve.batch import Batch
 from aftgen.serve.cache import PrefixCache, state_bytes
 from aftgen.serve.options import ServeOptions
@@ -279,47 +279,30 @@ class Engine:
 
     def _step(self) -> None:
         """One batched step: every row's next token in, every row's logits out."""
-        tokens = self._choose(list(self.batch.rows))
+        tokens = self._choose()
         rows = list(self.batch.rows)  # less those whose requests failed in _choose
         if not rows:
             return
-        logits = self.batch.step(torch.cat([tokens[row] for row in rows]))
+        logits = self.batch.step(tokens)
         for i, row in enumerate(rows):
-            self._text(row, row.stream.accept(tokens[row], logits[i : i + 1]))
+            self._text(row, row.stream.accept(tokens[i : i + 1], logits[i : i + 1]))
         self._finish([row for row in rows if row.stream.done])
 
-    def _choose(self, rows: list[Row]) -> dict[Row, torch.Tensor]:
-        """Every row's next token (1,). Rows that sample alike are drawn together, each from its own
-        generator (so each draws what it would alone); a repeat penalty reads a row's own history, so
-        those rows are drawn one by one. A row whose scores are NaN or infinite fails its request alone:
-        choose() refuses before anything is drawn, so the rows drawn with it then draw what they would have."""
-        alike: dict[tuple, list[Row]] = {}
-        for row in rows:
-            options = row.stream.options
-            alike.setdefault((options.key(),) if options.repeat_penalty == 1.0 else (row,), []).append(row)
-        tokens: dict[Row, torch.Tensor] = {}
-        unusable: dict[Ticket, Row] = {}  # a request's first row that cannot draw
-        for group in alike.values():
+    def _choose(self) -> torch.Tensor:
+        """Every row's next token (B,), in the batch's order, drawn in one pass (each row from its own options,
+        history and generator). A row whose scores are NaN or infinite fails its request alone: next_tokens
+        refuses before anything is drawn, so the rows left then draw what they would have."""
+        while self.batch.rows:
+            rows = list(self.batch.rows)
             try:
-                tokens |= self._draw(group)
+                return next_tokens([row.stream for row in rows])
             except ScoresNotFinite as exc:
+                unusable: dict[Ticket, Row] = {}  # a request's first row that cannot draw
                 for i in exc.rows:
-                    unusable.setdefault(group[i].ticket, group[i])
-                rest = [row for row in group if row.ticket not in unusable]
-                tokens |= self._draw(rest) if rest else {}
-        for ticket, row in unusable.items():
-            self._fail(ticket, not_finite(row))
-        return tokens
-
-    def _draw(self, rows: list[Row]) -> dict[Row, torch.Tensor]:
-        """The next token of rows that sample alike (a row with a repeat penalty is alone)."""
-        if len(rows) == 1:
-            return {rows[0]: rows[0].stream.next_token()}
-        contexts = [row.stream.context for row in rows]
-        logits = torch.cat([context.logits for context in contexts])
-        no_history = torch.zeros(len(rows), 0, dtype=torch.long)
-        drawn = choose(logits, rows[0].stream.options, no_history, [context.generator for context in contexts])
-        return {row: token.view(1) for row, token in zip(rows, drawn, strict=True)}
+                    unusable.setdefault(rows[i].ticket, rows[i])
+                for ticket, row in unusable.items():
+                    self._fail(ticket, not_finite(row))
+        return torch.zeros(0, dtype=torch.long)
 
     def _fail(self, ticket: Ticket, failure: Failed) -> None:
         """One request ends with an error, its rows out of the batch; every other goes on. Its session's
