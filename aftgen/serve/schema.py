@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from aftgen.sampling import CONTROLS, Range, SamplingOptions
+from aftgen.sampling import CONTROLS, SEEDS, Range, SamplingOptions
 from aftgen.serve.conversation import REPLY_END, ROLES, chat_ids, message_text
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.sessions import valid_name
@@ -20,7 +20,6 @@ from aftgen.serve.work import Work
 from aftgen.tokenizer import Tokenizer
 
 MAX_STOPS, MAX_STOP_CHARS, MAX_MESSAGES = 4, 256, 4096
-SEED_LIMIT = 1 << 63
 
 
 class APIError(Exception):
@@ -133,7 +132,7 @@ def sampling_fields(options: ServeOptions) -> dict[str, Callable[[str, object], 
         "stream": boolean,
         "stream_options": stream_options,
         "stop": stops,
-        "seed": integer(Range(0, SEED_LIMIT - 1)),
+        "seed": integer(SEEDS),
         **{name: (integer if control.type is int else number)(control.range) for name, control in CONTROLS.items()},
         "session": session_name,
     }

@@ -13,6 +13,7 @@ from aftgen.device import DEVICES, DTYPES
 from aftgen.errors import AftgenError
 from aftgen.mixers import MIXERS, shaping_fields
 from aftgen.model import PRESETS, AFTConfig
+from aftgen.sampling import check_seed
 from aftgen.training.recipe import EVAL_WINDOWS
 
 # AFTConfig fields a run may set (the rest come from the tokenizer); None in TrainOptions means "the preset's".
@@ -32,6 +33,7 @@ FINE_TUNE_DEFAULTS = {"lr": 1e-3, "warmup_steps": 5, "eval_interval": 50, "eval_
                       "patience": 0}  # fmt: skip
 FINE_TUNE_STEPS = 5000  # a fine-tuning run's budget when it is given none
 FRESH_ONLY = {"preset": "small", "vocab_size": 1024, "tokenizer_type": "bpe"}  # fine-tuning takes the base's
+MAX_BATCH_SIZE = 1 << 16  # sequences per step: more than any device holds, well before torch's sizes overflow
 
 
 def flag(name: str) -> str:
@@ -165,6 +167,9 @@ class TrainOptions:
 
     def check(self) -> None:
         """Refuse out-of-range values before any work is done."""
+        check_seed(self.seed)
+        if self.batch_size is not None and self.batch_size > MAX_BATCH_SIZE:
+            raise AftgenError(f"--batch-size must be at most {MAX_BATCH_SIZE}, got {self.batch_size}")
         for name in ("lr", "max_steps", "eval_interval", "eval_windows", "vocab_size"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise AftgenError(f"{flag(name)} must be positive, got {getattr(self, name)}")
