@@ -34,9 +34,14 @@ def _kind(path: Path | str) -> str | None:
     """What is at `path` ("a file", "a folder", "a device", ...), following links; None if nothing is (or
     it cannot be reached: the write itself then says why)."""
     try:
-        return _KINDS.get(stat.S_IFMT(os.stat(path).st_mode), "a special file")
+        return kind_of(os.stat(path).st_mode)
     except OSError:
         return None
+
+
+def kind_of(mode: int) -> str:
+    """What a file of this st_mode is: "a file", "a folder", "a device", "a FIFO", ..."""
+    return _KINDS.get(stat.S_IFMT(mode), "a special file")
 
 
 @contextlib.contextmanager

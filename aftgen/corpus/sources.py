@@ -1,18 +1,22 @@
 """A corpus's files: found in folders by a glob, checked and read as text in blocks, never whole.
 
-Anything that is not text (a binary file, an unreadable one, bytes that do not decode) is one clear
-error naming the file, or, with --skip-bad-files, a warning and a count.
+Anything that is not text (a binary file, an unreadable one, bytes that do not decode, a FIFO or a
+device) is one clear error naming the file, or, with --skip-bad-files, a warning and a count.
 """
 
 from __future__ import annotations
 
 import codecs
 import hashlib
+import os
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from aftgen.errors import AftgenError
+from aftgen.files import kind_of
 
 DEFAULT_GLOB = "*.txt"
 BLOCK_BYTES = 1 << 22  # read 4 MiB at a time
@@ -35,8 +39,9 @@ class Document:
 
 
 def find_files(sources: Sequence[Path | str], glob: str = DEFAULT_GLOB) -> list[Path]:
-    """Each file named, and each file under each folder named (recursively, sorted, hidden ones left out)
-    whose name matches `glob`; a file reached twice counts once."""
+    """Each file named, and each regular file under each folder named (recursively, sorted, hidden ones
+    left out) whose name matches `glob`; a file reached twice counts once. FIFOs and devices in a folder
+    are left out like hidden files; one named is refused when it is read."""
     if not sources:
         raise AftgenError("no corpus given: pass one or more text files or folders")
     found: dict[Path, Path] = {}
@@ -74,7 +79,7 @@ def _blocks(path: Path, encoding: str, errors: str) -> Iterator[tuple[bytes, str
     utf8 = codecs.lookup(encoding).name == "utf-8"
     read = nuls = 0
     try:
-        with open(path, "rb") as handle:
+        with _open_regular(path) as handle:
             while block := handle.read(BLOCK_BYTES):
                 nuls += block.count(b"\x00") if utf8 else 0
                 try:
@@ -94,6 +99,19 @@ def _blocks(path: Path, encoding: str, errors: str) -> Iterator[tuple[bytes, str
     except OSError as exc:
         raise BadFile(f"{path}: cannot read ({exc.strerror or exc})") from None
     _refuse_binary(path, nuls, read)
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading if it is a regular file; BadFile if not. A FIFO would block until some
+    writer came and a device such as /dev/zero never ends, so the file is opened without blocking and
+    looked at through the opened descriptor: nothing can swap it between the look and the read."""
+    handle = open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK))
+    mode = os.fstat(handle.fileno()).st_mode
+    if not stat.S_ISREG(mode):
+        handle.close()
+        raise BadFile(f"{path} is {kind_of(mode)}, not a file: give the path of a text file")
+    os.set_blocking(handle.fileno(), True)
+    return handle
 
 
 def _refuse_binary(path: Path, nuls: int, read: int) -> None:
