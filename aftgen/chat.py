@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 from aftgen.model import AFTLM, StepFunction
 from aftgen.sampling import Context, SamplingOptions, generate, read_prompt
-from aftgen.tokenizer import Tokenizer
+from aftgen.tokenizer import Tokenizer, valid_text
 
 REPLY_END = "\n\n"  # a reply ends at a blank line unless told otherwise (`aftgen chat`'s and the server's)
 
@@ -37,9 +37,12 @@ def run_chat(
     context: Context | None = None,
     step: StepFunction | None = None,
 ) -> Context | None:
-    """Read lines from stdin until end of input, streaming each reply to stdout; return the final context."""
+    """Read lines from stdin until end of input, streaming each reply to stdout; return the final context.
+
+    A line holding bytes that were not UTF-8 (lone surrogates, as `aftgen chat` reads stdin) is an AftgenError."""
     prompt = "> " if sys.stdin.isatty() and sys.stdout.isatty() else ""
     seed = options.seed  # seeds the first turn; later turns go on drawing from the same generator
+    lines_read = 0
     while True:
         try:
             line = input(prompt)
@@ -48,6 +51,8 @@ def run_chat(
         except KeyboardInterrupt:  # at the prompt, as in a shell: start a fresh line
             print(file=sys.stderr)
             continue
+        lines_read += 1
+        valid_text(line, f"stdin line {lines_read}")
         with interrupt_flag() as interrupted:
             context = read_prompt(model, tokenizer, line + "\n", context, seed)
             seed = None

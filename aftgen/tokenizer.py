@@ -34,6 +34,19 @@ def _unescape(text: str) -> str:
     return _UNESCAPE.sub(lambda m: _ESCAPE if m.group(1) == _ESCAPE else _META, text)
 
 
+def valid_text(text: str, source: str) -> str:
+    """`text`, refused (naming `source`) if it holds bytes that were not UTF-8: Python decodes the command
+    line (and stdin, as aftgen reads it) keeping such bytes as lone surrogates (PEP 383), which no
+    tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise AftgenError(
+            f"{source} is not valid UTF-8 (an undecodable byte at character {exc.start}); give UTF-8 text"
+        ) from None
+    return text
+
+
 class Tokenizer:
     """Text <-> token ids, plus a streaming decoder for generation."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import io
 import os
 import sys
 import tempfile
@@ -18,6 +19,7 @@ import typer
 
 from aftgen.corpus import CorpusOptions
 from aftgen.errors import AftgenError
+from aftgen.files import kind_of
 
 MODEL_PANEL, TRAIN_PANEL, DATA_PANEL, SAMPLE_PANEL = "Model size", "Training", "Data", "Sampling"
 STATE_PANEL, HARDWARE_PANEL = "State files", "Hardware"
@@ -184,9 +186,19 @@ def placement(hardware: dict, reserve: int = 0, busy: bool = True):
 
 
 def require_file(path: Path | None, what: str) -> None:
-    """Refuse a missing input file before any work (its contents are checked when read)."""
+    """Refuse a missing input file, or a folder, FIFO or device in its place, before any work (its contents
+    are checked when read)."""
     if path is not None and not path.is_file():
-        raise AftgenError(f"{path}: no such {what}")
+        if not path.exists():
+            raise AftgenError(f"{path}: no such {what}")
+        raise AftgenError(f"{path} is {kind_of(path.stat().st_mode)}, not a file: give the path of a {what}")
+
+
+def keep_undecodable_stdin() -> None:
+    """Read stdin as Python reads the command line: bytes that are not UTF-8 come through as lone surrogates
+    for aftgen.tokenizer.valid_text to refuse in one line (in a UTF-8 locale a read would raise instead)."""
+    if isinstance(sys.stdin, io.TextIOWrapper):  # not a StringIO put in its place
+        sys.stdin.reconfigure(errors="surrogateescape")
 
 
 def whole_numbers(text: str, option: str) -> tuple[int, ...]:

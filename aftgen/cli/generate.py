@@ -15,13 +15,15 @@ from aftgen.cli.common import (
     STATE_PANEL,
     ModelOption,
     command,
+    keep_undecodable_stdin,
     placement,
     require_file,
     with_options,
 )
 from aftgen.errors import AftgenError
-from aftgen.sampling import CONTROLS
+from aftgen.sampling import CONTROLS, check_seed
 from aftgen.sampling import SamplingOptions as Defaults
+from aftgen.tokenizer import valid_text
 
 
 def _sampling(help: str, *names: str):
@@ -61,7 +63,8 @@ Compile = Annotated[
 
 def _sampling_options(shared: dict, stop: list[str] | None, num_samples: int = 1) -> Defaults:
     given = {name: shared[name] for name in sampling_options()}
-    options = Defaults(**given, stop=tuple(stop or ()), num_samples=num_samples)
+    stops = tuple(valid_text(text, "--stop") for text in stop or ())
+    options = Defaults(**given, stop=stops, num_samples=num_samples)
     options.check()
     return options
 
@@ -82,12 +85,15 @@ def _load_for_generation(model: str | None, load_state: Path | None, compile_ste
 
 
 def _prompt_text(prompt: str, prompt_file: Path | None) -> str:
-    """--prompt, --prompt - (stdin) or --prompt-file."""
+    """--prompt, --prompt - (stdin) or --prompt-file, refused in one line unless UTF-8 text."""
     if prompt_file is not None:
         from aftgen.corpus import read_text
 
         return read_text(prompt_file)
-    return sys.stdin.read() if prompt == "-" else prompt
+    if prompt == "-":
+        keep_undecodable_stdin()
+        return valid_text(sys.stdin.read(), "stdin")
+    return valid_text(prompt, "--prompt")
 
 
 @with_options(generation_options)
@@ -164,6 +170,7 @@ def prime(
     from aftgen.sampling import PROMPT_CHUNK, read_prompt
     from aftgen.state import save_state as write_state
 
+    check_seed(seed)
     text = read_text(text_file, encoding, errors)
     where = placement(hardware)
     lm, tokenizer, _, _ = _load_for_generation(model, None, False, where)
@@ -202,6 +209,7 @@ def chat(
 
     options = _sampling_options(shared, stop or [REPLY_END])
     require_file(load_state, "state file")
+    keep_undecodable_stdin()
     where = placement(shared)
     lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step, where)
     with where.autocast():
