@@ -4,7 +4,8 @@ One safetensors file (no pickle) holds, per layer, the mixer's recurrent state, 
 token's logits, the recent tokens (repeat penalty), the random generator's state and the bytes of a
 character the last token left unfinished: everything needed so that saving and loading in the
 middle of a run changes nothing about what comes next. The metadata names the model it belongs to
-(SHA-256 of the weights and of the tokenizer); any other model is refused.
+(SHA-256 of the weights and of the tokenizer); any other model is refused, and so is a file holding
+what no model writes (tokens outside the vocabulary, values the model cannot step from).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from safetensors.torch import save as save_safetensors
 from aftgen.checkpoint import safetensors_metadata
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_write
-from aftgen.model import AFTLM
+from aftgen.model import AFTLM, clone_state
 from aftgen.sampling import MAX_REPEAT_LAST_N, Context
 from aftgen.tokenizer import Tokenizer
 
@@ -91,6 +92,7 @@ def load_state(path: Path | str, model: AFTLM, tokenizer: Tokenizer) -> Context:
     pending_length = int(tensors["pending_length"])
     if not 0 <= pending_length <= PENDING_BYTES:
         raise AftgenError(f"{path}: corrupt state file (pending_length {pending_length})")
+    _check_tokens(path, tensors, expected, model.config.vocab_size)
     generator = torch.Generator()
     try:
         generator.set_state(tensors["generator"])
@@ -102,13 +104,42 @@ def load_state(path: Path | str, model: AFTLM, tokenizer: Tokenizer) -> Context:
         for i, layer in enumerate(model.initial_state(1))
     ]
     recent = tensors["recent"]
-    return Context(
+    context = Context(
         state=state,
         logits=tensors["logits"].clone(),
         generator=generator,
         recent=recent[recent != NO_TOKEN][None].clone(),
         pending=bytes(tensors["pending"][:pending_length].tolist()),
     )
+    _check_continues(path, context, model)
+    return context
+
+
+def _check_tokens(path: Path, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], vocab: int) -> None:
+    """Refuse recent tokens outside the vocabulary, and positions a model never writes: every layer has read
+    the same number of tokens, and a growing cache (a dimension empty in a fresh state) holds them all."""
+    recent = tensors["recent"]
+    if not ((recent == NO_TOKEN) | ((recent >= 0) & (recent < vocab))).all():
+        raise AftgenError(f"{path}: corrupt state file (recent tokens outside the vocabulary of {vocab})")
+    positions = sorted({int(tensor) for name, tensor in tensors.items() if name.endswith(".position")})
+    cached = [
+        length
+        for name, fresh in expected.items()
+        for length, fresh_length in zip(tensors[name].shape, fresh.shape, strict=True)
+        if fresh_length == 0
+    ]
+    if len(positions) > 1 or positions[0] < 0 or any(length < positions[0] for length in cached):
+        raise AftgenError(f"{path}: corrupt state file (its layers' positions {positions} do not fit it)")
+
+
+@torch.inference_mode()
+def _check_continues(path: Path, context: Context, model: AFTLM) -> None:
+    """Refuse a state the model cannot go on from: finite values no model writes (3e38, say) pass the NaN
+    check and then overflow, so one step is taken from a copy of it."""
+    token = context.logits.argmax(-1).to(model.embed.weight.device)
+    logits, _ = model.step(token, clone_state(context.state))
+    if not torch.isfinite(logits).all():
+        raise AftgenError(f"{path}: this model's scores from this state are NaN or infinite: the state file is damaged")
 
 
 def _check_origin(path: Path, metadata: dict, model: AFTLM, tokenizer: Tokenizer) -> None:
