@@ -95,6 +95,11 @@ def _evaluate(model: AFTLM, pieces: Iterable[torch.Tensor], chars: int, nbytes: 
     nats, tokens = 0.0, 0
     for losses in score_stream(model, pieces, reset_every=reset_every):
         nats, tokens = nats + float(losses.double().sum()), tokens + len(losses)
+        if not math.isfinite(nats):
+            raise AftgenError(
+                f"the model's loss is NaN or infinite by token {tokens:,}: its weights are damaged "
+                "(use another checkpoint)"
+            )
     return Evaluation.of(nats, tokens, chars, nbytes)
 
 
