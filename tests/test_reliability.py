@@ -833,3 +833,136 @@ def test_reading_chunks_reuses_freed_memory_instead_of_faulting_in_fresh_pages()
         pytest.skip(f"this allocator already reuses freed memory ({default['faults']} page faults in 8 chunks)")
     assert reuse["faults"] < default["faults"] // 20
     assert reuse["peak"] <= default["peak"] + 16  # MB: kept memory is reused, not piled up
+
+
+# --- Inputs: FIFOs and devices, crafted state files, weights too large to compute with --------------
+
+
+@pytest.fixture
+def no_hang():
+    """Fail a test whose read blocks (a FIFO with no writer) or never ends (/dev/zero) instead of hanging
+    the suite: the alarm's exception interrupts the read."""
+
+    def stop(signum, frame):
+        raise TimeoutError("the command hung")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(120)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def _fifo(folder: Path) -> tuple[Path, str]:
+    os.mkfifo(folder / "fifo.txt")
+    return folder / "fifo.txt", "a FIFO"
+
+
+def _zero(folder: Path) -> tuple[Path, str]:
+    return Path("/dev/zero"), "a device"
+
+
+@pytest.mark.parametrize("make", [_fifo, _zero], ids=["fifo", "dev-zero"])
+def test_inputs_that_are_not_files_are_refused_at_once(tmp_path, tiny_run, make, no_hang):
+    source, kind = make(tmp_path)
+    refused = f"{source} is {kind}, not a file: give the path of a"
+    model = ["--model", tiny_run, "--device", DEVICE]
+    assert_one_error(invoke("eval", source, *model), refused)
+    assert_one_error(invoke("sample", "--prompt-file", source, *model), refused)
+    assert_one_error(invoke("prime", source, "--out", tmp_path / "s.safetensors", *model), refused)
+    assert_one_error(invoke("sample", "--load-state", source, *model), refused)
+    assert_one_error(invoke("train", source, "--out", tmp_path / "run", "--preset", "tiny", "--threads", "1"), refused)
+
+
+def test_fifos_and_devices_in_a_corpus_folder_are_left_out(tmp_path, no_hang):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "plays.txt").write_text(make_corpus(20_000))
+    os.mkfifo(folder / "fifo.txt")
+    (folder / "zero.txt").symlink_to("/dev/zero")
+    result = invoke("prepare", folder, "--vocab-size", 300)
+    assert result.exit_code == 0, result.output
+    assert "1 document," in result.stderr
+
+
+INTEGER_CASES = [
+    (["train", "--seed", str(1 << 64)], r"--seed must be in \[0, 9223372036854775807\]"),
+    (["train", "--batch-size", str(1 << 64)], "--batch-size must be at most 65536"),
+    (["prepare", "--vocab-size", str(1 << 64)], "--vocab-size must be at most 1048576"),
+    (["prepare", "--workers", str(1 << 64)], "--workers must be between 1 and 1024"),
+    (["prepare", "--workers", "0"], "--workers must be between 1 and 1024"),
+]
+
+
+@pytest.mark.parametrize("args,message", INTEGER_CASES, ids=[" ".join(c[0][:2]) for c in INTEGER_CASES])
+def test_integers_out_of_range_are_refused_before_any_work(tmp_path, corpus, args, message):
+    command, *option = args
+    out = ["--out", tmp_path / "run", "--threads", "1"] if command == "train" else []
+    assert_one_error(invoke(command, corpus, *out, *option), message)
+    assert not (tmp_path / "run").exists()
+
+
+def _positions(tensors: dict, value: int) -> None:
+    for name, tensor in tensors.items():
+        if name.endswith(".position"):
+            tensor.fill_(value)
+
+
+STATE_CASES = {
+    "recent beyond the vocabulary": (lambda t: t["recent"].fill_(10**6), "recent tokens outside the vocabulary"),
+    "recent negative": (lambda t: t["recent"].fill_(-7), "recent tokens outside the vocabulary"),
+    "finite 3e38 values": (
+        lambda t: [v.fill_(3e38) for v in t.values() if v.is_floating_point()],
+        "scores from this state are NaN or infinite: the state file is damaged",
+    ),
+    "negative positions": (lambda t: _positions(t, -5), r"positions \[-5\] do not fit it"),
+    "layers at different positions": (lambda t: t["layer0.position"].add_(1), r"positions \[\d+, \d+\] do not fit"),
+}
+
+
+def _rewrite_state(path: Path, change) -> None:
+    """The state file at `path` with its tensors changed in place by `change`, its metadata kept."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as opened:
+        metadata = opened.metadata()
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata=metadata)
+
+
+@pytest.mark.parametrize("case", STATE_CASES)
+def test_crafted_state_files_are_one_error(tmp_path, tiny_run, case):
+    change, message = STATE_CASES[case]
+    state, model = tmp_path / "s.safetensors", ["--model", tiny_run, "--device", DEVICE]
+    assert invoke("sample", *model, "-p", "KING:", "-n", "3", "--save-state", state).exit_code == 0
+    _rewrite_state(state, change)
+    assert_one_error(invoke("sample", *model, "-n", "3", "--load-state", state), message)
+
+
+def test_a_kv_cache_that_does_not_hold_its_position_is_refused(tmp_path, tiny_run):
+    from aftgen.api import load
+    from aftgen.model import AFTLM
+    from aftgen.sampling import read_prompt
+    from aftgen.state import load_state, save_state
+
+    _, tokenizer = load(tiny_run, DEVICE)
+    torch.manual_seed(0)
+    config = AFTConfig(vocab_size=tokenizer.vocab_size, n_layer=1, n_embd=32, n_head=2, mixer="attention")
+    model, state = AFTLM(config).to(DEVICE).eval(), tmp_path / "s.safetensors"
+    save_state(state, read_prompt(model, tokenizer, "KING:", seed=0), model, tokenizer)
+    load_state(state, model, tokenizer)  # as saved: its cache holds every token it has read
+    # Past the cache's end, the next step would grow the cache to hold that many tokens (2^40: terabytes).
+    _rewrite_state(state, lambda tensors: _positions(tensors, tensors["layer0.keys"].shape[2] + 1))
+    with pytest.raises(AftgenError, match="do not fit it"):
+        load_state(state, model, tokenizer)
+
+
+def test_weights_too_large_to_compute_with_are_one_error(tmp_path, tiny_run, corpus):
+    """Finite weights (all 1e30) pass the loader's NaN check; the scores and losses they give do not."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_run, folder)
+    _retensor(lambda tensors: {name: torch.full_like(t, 1e30) for name, t in tensors.items()})(folder)
+    model = ["--model", folder, "--device", DEVICE]
+    assert_one_error(invoke("eval", corpus, *model), "loss is NaN or infinite by token .*: its weights are damaged")
+    assert_one_error(invoke("sample", *model, "-p", "KING:", "-n", "4"), "NaN or infinite.*damaged")
