@@ -48,8 +48,6 @@ def _number(value: float) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-SEEDS = Range(0, (1 << 63) - 1)  # a seed torch.Generator.manual_seed takes as it is given
-
 Filter = Callable[..., torch.Tensor]  # (B, V) logits, each row's value (B, 1)[, its recent tokens (B, V)] -> logits
 
 
@@ -143,12 +141,6 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_seed(seed: int | None) -> None:
-    """Refuse a seed outside SEEDS (None: a random one)."""
-    if seed is not None and seed not in SEEDS:
-        raise AftgenError(f"--seed must be {SEEDS}, got {seed}")
-
-
 @dataclass(init=False)
 class SamplingOptions:
     """How to pick tokens (llama.cpp / transformers names and meanings), and how many continuations.
@@ -187,7 +179,6 @@ class SamplingOptions:
         """Refuse values outside their meaning, before any work."""
         if self.max_new_tokens < -1:
             raise AftgenError(f"--max-new-tokens must be -1 (no limit) or >= 0, got {self.max_new_tokens}")
-        check_seed(self.seed)
         for name, value in self.controls.items():
             if value not in CONTROLS[name].range:
                 raise AftgenError(f"{flag(name)} must be {CONTROLS[name].range}, got {value}")
@@ -274,25 +265,29 @@ def choose(
     if all(greedy):
         return scores.argmax(-1)
     probs = filter_logits(scores, rows).softmax(-1)
-    drawn = exponential_race(probs, [None if g else generator for g, generator in zip(greedy, generators, strict=True)])
+    drawn = draw(probs, [None if g else generator for g, generator in zip(greedy, generators, strict=True)])
     if any(greedy):
         drawn = torch.where(torch.tensor(greedy, device=drawn.device), scores.argmax(-1), drawn)
     return drawn
 
 
-def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of probs (B, V): argmax of p / q, q ~ Exp(1) drawn from the row's generator
-    (None: the row draws nothing, and its token means nothing).
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probs (B, V): the first whose cumulative probability passes u * total, with u
+    uniform in [0, 1) from the row's generator (None: the row draws nothing, and its token means nothing).
 
-    This is how torch.multinomial draws a single sample, draw for draw (tests/test_serve.py checks
-    it), but the division and the argmax run once for all the rows. The generators are CPU ones,
-    whatever the device: a seed then draws the same on any.
+    One number a row a token, and one pass for all the rows (llama.cpp draws the same way). The sums run
+    along each row alone, in float64, so a row draws the same beside any others. The generators are CPU
+    ones, whatever the device: a seed then draws the same on any.
     """
-    race = torch.ones(probs.shape)
-    for row, generator in zip(race, generators, strict=True):
+    uniform = torch.zeros(probs.shape[0], 1, dtype=torch.float64)
+    for row, generator in zip(uniform, generators, strict=True):
         if generator is not None:
-            row.exponential_(1, generator=generator)
-    return (probs / race.to(probs.device)).argmax(-1)
+            row.uniform_(generator=generator)
+    cumulative = probs.double().cumsum(-1)
+    total = cumulative[:, -1:].contiguous()
+    # u * total rounds to total for the largest u: the last token with any probability then
+    last = torch.searchsorted(cumulative, total)
+    return torch.searchsorted(cumulative, uniform.to(probs.device) * total, right=True).minimum(last)[:, 0]
 
 
 class StopFilter:

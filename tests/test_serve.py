@@ -29,7 +29,7 @@ from aftgen.bench.serve import StreamTiming, bench_serve, best_of, phase_figures
 from aftgen.cli import app
 from aftgen.device import resolve
 from aftgen.model import AFTLM, AFTConfig, clone_state, tokens_read
-from aftgen.sampling import PromptReader, SamplingOptions, exponential_race, generate, read_prompt
+from aftgen.sampling import PromptReader, SamplingOptions, generate, read_prompt
 from aftgen.serve.batch import Batch
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
@@ -145,17 +145,6 @@ def test_batched_step_matches_each_sequence_alone(mixer):
                 positions[i] += 1
                 assert (own - logits[r : r + 1]).abs().max() < 1e-4
                 assert own.argmax() == logits[r].argmax()
-
-
-def test_exponential_race_draws_what_multinomial_draws():
-    """Sampling a batch, each row from its own generator, draws what torch.multinomial draws for each alone."""
-    probs = torch.randn(64, 300, generator=torch.Generator().manual_seed(0)).mul(3).softmax(-1)
-    alone = [torch.Generator().manual_seed(seed) for seed in range(64)]
-    together = [torch.Generator().manual_seed(seed) for seed in range(64)]
-    for _ in range(3):
-        singles = [int(torch.multinomial(row[None], 1, generator=g)) for row, g in zip(probs, alone, strict=True)]
-        assert exponential_race(probs, together).tolist() == singles
-    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(alone, together, strict=True))
 
 
 def test_completions_and_chat_through_the_openai_client(url, tiny_run):
