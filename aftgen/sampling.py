@@ -48,6 +48,8 @@ def _number(value: float) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+SEEDS = Range(0, (1 << 63) - 1)  # a seed torch.Generator.manual_seed takes as it is given
+
 Filter = Callable[..., torch.Tensor]  # (B, V) logits, each row's value (B, 1)[, its recent tokens (B, V)] -> logits
 
 
@@ -141,6 +143,12 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def check_seed(seed: int | None) -> None:
+    """Refuse a seed outside SEEDS (None: a random one)."""
+    if seed is not None and seed not in SEEDS:
+        raise AftgenError(f"--seed must be {SEEDS}, got {seed}")
+
+
 @dataclass(init=False)
 class SamplingOptions:
     """How to pick tokens (llama.cpp / transformers names and meanings), and how many continuations.
@@ -179,6 +187,7 @@ class SamplingOptions:
         """Refuse values outside their meaning, before any work."""
         if self.max_new_tokens < -1:
             raise AftgenError(f"--max-new-tokens must be -1 (no limit) or >= 0, got {self.max_new_tokens}")
+        check_seed(self.seed)
         for name, value in self.controls.items():
             if value not in CONTROLS[name].range:
                 raise AftgenError(f"{flag(name)} must be {CONTROLS[name].range}, got {value}")
