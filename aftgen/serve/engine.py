@@ -123,6 +123,7 @@ class Engine:
             "sessions_in_memory": len(self.sessions),
             "session_files": len(self.sessions.on_disk),
             "state_bytes": self.state_bytes,
+            "threads": torch.get_num_threads(),
         }
 
     # --- the engine thread ---
