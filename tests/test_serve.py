@@ -30,12 +30,13 @@ from aftgen.cli import app
 from aftgen.device import resolve
 from aftgen.model import AFTLM, AFTConfig, clone_state, tokens_read
 from aftgen.sampling import PromptReader, SamplingOptions, generate, read_prompt
+from aftgen.serve.app import Server
 from aftgen.serve.batch import Batch
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.schema import APIError, parse_request
 from aftgen.serve.server import prepare
-from aftgen.serve.sessions import SUFFIX
+from aftgen.serve.sessions import SUFFIX, SessionStore
 from aftgen.serve.work import Done, Failed, Started, Text, Work
 from aftgen.state import load_state
 from aftgen.tokenizer import Tokenizer
@@ -91,7 +92,7 @@ def post(url: str, path: str, key: str | None = KEY, headers: dict | None = None
 
 
 def health(url: str) -> dict:
-    return httpx.get(f"{url}/health", timeout=10).json()
+    return httpx.get(f"{url}/health", headers=AUTH, timeout=10).json()
 
 
 def busy_slots(url: str) -> int:
@@ -548,23 +549,23 @@ def test_text_that_is_not_unicode_gets_400_naming_its_field(url, path, body, par
     assert "surrogate" in error["message"]
 
 
-def test_an_api_key_beyond_ascii_is_compared_as_the_bytes_sent(tiny_run):
-    key = "clé-秘密"
-    with running(tiny_run, api_key=key) as url:
-        as_sent = post(
-            url,
-            "/v1/completions",
-            headers={"Authorization": b"Bearer " + key.encode()},
-            json={"prompt": "x", "max_tokens": 1},
-        )
-        assert as_sent.status_code == 200, as_sent.text
-        as_latin1 = {"Authorization": b"Bearer " + key[:3].encode("latin-1")}
-        assert_openai_error(post(url, "/v1/completions", headers=as_latin1, json={"prompt": "x"}), 401)
+@pytest.fixture
+def never_serve(monkeypatch) -> None:
+    """A start-up check that lets bad options through fails the test instead of serving forever."""
+
+    def serve(*args) -> None:
+        pytest.fail("aftgen serve started")
+
+    monkeypatch.setattr("aftgen.serve.server.serve", serve)
 
 
-def test_serve_refuses_an_api_key_with_spaces_around_it_at_start_up():
-    result = CliRunner().invoke(app, ["serve", "--api-key", " secret "])
-    assert result.exit_code == 2 and "error: --api-key starts or ends with spaces" in result.output
+@pytest.mark.parametrize("key", ["", " secret ", "two words", "clé-秘密", "line\nbreak", "bell\x07", "tab\tkey",
+                                 "byte\udcff"])  # fmt: skip
+def test_serve_refuses_an_api_key_no_client_can_send_at_start_up(key, never_serve):
+    """Printable ASCII without spaces only ("\udcff": how Python hands over a non-UTF-8 byte of argv)."""
+    result = CliRunner().invoke(app, ["serve", "--api-key", key])
+    assert result.exit_code == 2 and result.output.startswith("error: --api-key")
+    assert len(result.output.splitlines()) == 1 and (not key or key not in result.output)  # a secret is not echoed
 
 
 @pytest.mark.parametrize(
@@ -852,6 +853,60 @@ def test_a_session_turn_that_fails_leaves_the_session_in_memory_as_it_was(url, m
         assert_openai_error(turn("failing", " and so"), 500)
     after, twin = turn("failing", " then").json(), turn("twin", " then").json()
     assert after["choices"] == twin["choices"] and after["usage"] == twin["usage"]
+
+
+def test_serve_refuses_a_sessions_dir_that_holds_a_model(tiny_run, never_serve):
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny_run), "--sessions-dir", str(tiny_run)])
+    assert result.exit_code == 2 and len(result.output.splitlines()) == 1
+    assert result.output.startswith("error: --sessions-dir") and "holds a model" in result.output
+
+
+def test_the_session_store_counts_and_removes_its_own_files_only(tiny_run, tmp_path):
+    """Past max_files the oldest session's file goes, and nothing else in the folder, now or after a restart."""
+    model, tokenizer = load(tiny_run)
+    foreign = {"weights.safetensors": b"w", "old.safetensors": b"o", "notes.txt": b"n", f".hidden{SUFFIX}": b"h"}
+    for name, data in foreign.items():
+        (tmp_path / name).write_bytes(data)
+    store = SessionStore(model, tokenizer, tmp_path, limit=4, max_files=1)
+    assert not store.on_disk
+    for name in ("a", "b"):
+        store.put(name, read_prompt(model, tokenizer, "KING:"))
+    assert {name: (tmp_path / name).read_bytes() for name in foreign} == foreign
+    assert sorted(path.name for path in tmp_path.glob(f"[!.]*{SUFFIX}")) == [f"b{SUFFIX}"]
+    assert list(SessionStore(model, tokenizer, tmp_path, limit=4, max_files=1).on_disk) == ["b"]
+
+
+def test_a_client_gone_while_its_body_is_read_is_no_error(tiny_run):
+    """The app returns quietly (a 499 nobody reads) instead of raising ClientDisconnect for uvicorn to log."""
+    model, tokenizer = load(tiny_run)
+    engine = Engine(model, tokenizer, ServeOptions(api_key=KEY), resolve("cpu", "fp32"))
+    headers = [(b"content-type", b"application/json"), (b"authorization", f"Bearer {KEY}".encode())]
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers, "query_string": b""}
+    arriving = [{"type": "http.request", "body": b'{"prompt":', "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return arriving.pop(0)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(Server(engine, "tiny").app()(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+
+
+def test_health_names_the_model_only_to_a_client_with_the_key(url, tiny_run):
+    assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok"}
+    assert httpx.get(f"{url}/health", headers={"Authorization": "Bearer wrong"}, timeout=10).json() == {"status": "ok"}
+    assert health(url)["model"] == tiny_run.name
+
+
+def test_a_damaged_session_is_named_without_the_servers_folder(tiny_run, tmp_path):
+    (tmp_path / f"broken{SUFFIX}").write_bytes(b"not a state file")
+    with running(tiny_run, sessions_dir=tmp_path) as url:
+        body = {"prompt": "x", "max_tokens": 1, "session": "broken"}
+        error = assert_openai_error(post(url, "/v1/completions", json=body), 400)
+    assert "'broken'" in error["message"] and str(tmp_path) not in error["message"]
 
 
 def test_extreme_sampling_settings_stop_no_other_stream(url):

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -114,7 +114,7 @@ class Server:
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
     def authorize(self, request: Request) -> None:
-        """The key is compared as the bytes sent (a header is bytes; the key is its UTF-8), in constant time."""
+        """The key (printable ASCII: ServeOptions.check) is compared with the bytes sent, in constant time."""
         key = self.options.api_key
         if key is None:
             return
@@ -131,6 +131,11 @@ class Server:
         return HTMLResponse(page, headers={"Content-Security-Policy": PLAYGROUND_POLICY, "Cache-Control": "no-cache"})
 
     async def health(self, request: Request) -> JSONResponse:
+        """Up or not, for anyone (a load balancer has no key); the model and the engine's figures need the key."""
+        try:
+            self.authorize(request)
+        except APIError:
+            return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ok", "model": self.model_name} | self.engine.stats())
 
     def _model_card(self) -> dict:
@@ -156,6 +161,8 @@ class Server:
             return await result if asyncio.iscoroutine(result) else result
         except APIError as error:
             return error_response(error)
+        except ClientDisconnect:  # gone while its body was read: nobody to answer, nothing wrong to log
+            return Response(status_code=499)
 
     async def completions(self, request: Request) -> Response:
         return await self._answer(request, lambda: self._generate(request, chat=False))

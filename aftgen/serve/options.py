@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from aftgen.errors import AftgenError
+
+API_KEY = re.compile(r"[!-~]+")  # printable ASCII, no spaces: what an HTTP header carries as it was typed
 
 # Cores left to the HTTP side, which formats and sends every token of every stream while the model steps:
 # torch's threads spinning on every core starve it (measured with 32 streams on a busy 2-core machine:
@@ -42,10 +45,11 @@ class ServeOptions:
             raise AftgenError(f"--port must be between 0 and 65535, got {self.port}")
         if not self.host:
             raise AftgenError("--host must not be empty")
-        if self.api_key is not None and not self.api_key.strip():
-            raise AftgenError("--api-key must not be empty")
-        if self.api_key is not None and self.api_key != self.api_key.strip():
-            raise AftgenError("--api-key starts or ends with spaces, which no client can send in a header: remove them")
+        if self.api_key is not None and not API_KEY.fullmatch(self.api_key):
+            raise AftgenError(
+                "--api-key (or AFTGEN_API_KEY) must be printable ASCII without spaces, as a client sends it in "
+                "'Authorization: Bearer KEY': choose one of letters, digits and punctuation"
+            )
         at_least = {
             "--parallel": (self.parallel, 1),
             "--queue": (self.queue, 0),
@@ -64,5 +68,18 @@ class ServeOptions:
                 raise AftgenError(f"{name} must be positive, got {seconds}")
         if not self.cache_mb >= 0:
             raise AftgenError(f"--cache-mb must be >= 0 (0 turns the cache off), got {self.cache_mb}")
-        if self.sessions_dir is not None and self.sessions_dir.exists() and not self.sessions_dir.is_dir():
-            raise AftgenError(f"--sessions-dir {self.sessions_dir} is not a folder")
+        if self.sessions_dir is not None:
+            _check_sessions_dir(self.sessions_dir)
+
+
+def _check_sessions_dir(folder: Path) -> None:
+    """Refuse a file, or a folder that holds a model: sessions get a folder of their own."""
+    from aftgen.checkpoint import CHECKPOINT_FILES
+
+    if folder.exists() and not folder.is_dir():
+        raise AftgenError(f"--sessions-dir {folder} is not a folder")
+    model_files = [name for name in CHECKPOINT_FILES if (folder / name).exists()]
+    if model_files:
+        raise AftgenError(
+            f"--sessions-dir {folder} holds a model ({', '.join(model_files)}): give the sessions a folder of their own"
+        )
