@@ -39,7 +39,6 @@ from aftgen.serve.batch import Batch
 PROMPTS = ("ROMEO:", "JULIET:", "KING HENRY:", "First Citizen:", "NURSE:", "HAMLET:", "LADY MACBETH:", "GLOUCESTER:")
 START_TIMEOUT = 180.0  # seconds for the server to load its model and listen
 TEMPERATURE = 0.8  # what every stream asks for
-CEILING_STEPS = 64  # batched steps per timing of the engine's ceiling
 
 
 @dataclass
@@ -190,7 +189,7 @@ def bench_serve(options: BenchServeOptions, log=print) -> list[Row]:
                     ceiling.tokens_per_s(streams, steps=4)
                 figures = phase_figures(asyncio.run(run_phase(server.host, server.port, streams, options.tokens)))
                 figures["rss_mb"], figures["peak_rss_mb"] = memory_mb(server.process.pid)
-                figures["ceiling_tokens_per_s"] = ceiling.tokens_per_s(streams)
+                figures["ceiling_tokens_per_s"] = ceiling.tokens_per_s(streams, options.tokens)
                 rounds[streams].append(figures)
                 log(f"  round {round_number + 1}, {streams:>2} streams: {figures['tokens_per_s']:,.0f} tokens/s "
                     f"(engine's ceiling {figures['ceiling_tokens_per_s']:,.0f}), "
@@ -210,8 +209,9 @@ class Ceiling:
         self.threads = threads
 
     @torch.inference_mode()
-    def tokens_per_s(self, streams: int, steps: int = CEILING_STEPS) -> float:
-        """Rows (from the initial state: a step costs the same at any position) times steps, over their time."""
+    def tokens_per_s(self, streams: int, steps: int) -> float:
+        """Rows (from the initial state: a step costs the same at any position) times steps, over their time:
+        timed as a phase is, as many steps as a stream's tokens in one stretch, the best round kept."""
         model, threads = self.model, torch.get_num_threads()
         batch = Batch(model, streams)
         batch.add([(row, model.initial_state(1), 0) for row in range(streams)])
