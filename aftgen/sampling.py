@@ -231,11 +231,11 @@ def _filtered(
 def recent_tokens(
     history: Sequence[torch.Tensor], lengths: list[int], vocab: int, device: torch.device
 ) -> torch.Tensor:
-    """(B, vocab): True where a token is among its row's last `lengths[row]` ids (history: one row of ids each)."""
+    """(B, vocab): True where a token is among its row's last `lengths[row]` ids (history: a tensor of ids a row)."""
     recent = torch.zeros(len(lengths), vocab, dtype=torch.bool)
     for row, ids, length in zip(recent, history, lengths, strict=True):
         if length:
-            row[ids[-length:]] = True
+            row[ids.reshape(-1)[-length:]] = True
     return recent.to(device)
 
 
@@ -257,7 +257,7 @@ def choose(
     generator: torch.Generator | Sequence[torch.Generator],
 ) -> torch.Tensor:
     """The next token for each row of logits (B, V), every row in one pass with its own options and its own
-    recent ids (`history`: a (B, n) tensor, or one 1-D tensor per row, oldest first).
+    recent ids (`history`: a (B, n) tensor, or one tensor of ids per row, oldest first).
 
     `options` and `generator`: one for all the rows, or one per row. Each row draws from its generator
     exactly what it would draw alone, so a server's sequence follows its own seed whatever runs beside it;
@@ -487,7 +487,7 @@ def next_tokens(streams: Sequence[TextStream]) -> torch.Tensor:
     return choose(
         torch.cat([context.logits for context in contexts]),
         [stream.options for stream in streams],
-        [context.recent[0] for context in contexts],
+        [context.recent for context in contexts],
         [context.generator for context in contexts],
     )
 
