@@ -39,6 +39,7 @@ class Batch:
         self.rows: list[object] = []
         self.offsets: list[int] = []
         self.position = 0
+        self.stepped: ModelState | None = None  # what the step is handed: views of the rows, while they stay
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -56,6 +57,7 @@ class Batch:
                     buffer[row].copy_(layer[name][0])
             self.rows.append(owner)
             self.offsets.append(self.position - position)
+        self.stepped = None
 
     def state_of(self, owner: object) -> tuple[ModelState, int]:
         """A copy of one row's state as a batch-1 state at its own position, and that position."""
@@ -75,19 +77,21 @@ class Batch:
                 self.rows[row], self.offsets[row] = self.rows[last], self.offsets[last]
             self.rows.pop()
             self.offsets.pop()
+        self.stepped = None
 
     def clear(self) -> None:
-        self.rows, self.offsets = [], []
+        self.rows, self.offsets, self.stepped = [], [], None
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (in `rows` order), tokens (B,); returns logits (B, vocab)."""
-        count, device = len(self.rows), self.model.embed.weight.device
-        state = [
-            {name: buffer[:count] for name, buffer in layer.items()}
-            | {"position": torch.tensor(self.position, dtype=torch.long, device=device)}
-            for layer in self.buffers
-        ]
-        logits, _ = self.model.step(tokens, state)  # updates the rows in place, through the views
+        if self.stepped is None:  # the rows changed: views of them, and a position each layer's step advances
+            count, device = len(self.rows), self.model.embed.weight.device
+            self.stepped = [
+                {name: buffer[:count] for name, buffer in layer.items()}
+                | {"position": torch.tensor(self.position, dtype=torch.long, device=device)}
+                for layer in self.buffers
+            ]
+        logits, _ = self.model.step(tokens, self.stepped)  # updates the rows and positions in place
         self.position += 1
         return logits
