@@ -409,7 +409,10 @@ def test_named_session_continues_after_a_restart_as_if_never_stopped(tiny_run, t
 
 def test_serve_refuses_bad_options_and_a_missing_extra_in_one_line(monkeypatch):
     result = CliRunner().invoke(app, ["serve", "--parallel", "0"])
-    assert result.exit_code == 2 and "error: --parallel must be >= 1" in result.output
+    assert result.exit_code == 2 and "error: --parallel must be between 1 and 4096, got 0" in result.output
+    for option in ("--parallel", "--queue", "--max-prompt-tokens", "--prompt-chunk"):
+        result = CliRunner().invoke(app, ["serve", option, str(1 << 64)])
+        assert result.exit_code == 2 and f"error: {option} must be between" in result.output, option
     real = __import__("importlib").util.find_spec
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
     result = CliRunner().invoke(app, ["serve"])

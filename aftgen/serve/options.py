@@ -50,19 +50,20 @@ class ServeOptions:
                 "--api-key (or AFTGEN_API_KEY) must be printable ASCII without spaces, as a client sends it in "
                 "'Authorization: Bearer KEY': choose one of letters, digits and punctuation"
             )
-        at_least = {
-            "--parallel": (self.parallel, 1),
-            "--queue": (self.queue, 0),
-            "--max-prompt-tokens": (self.max_prompt_tokens, 1),
-            "--max-tokens": (self.max_tokens, 1),
-            "--max-body-bytes": (self.max_body_bytes, 1024),
-            "--max-sessions": (self.max_sessions, 1),
-            "--max-session-files": (self.max_session_files, 1),
-            "--prompt-chunk": (self.prompt_chunk, 1),
+        # (least, most): far beyond any real use, the upper ends keep 2^64 from reaching torch or a loop
+        ranges = {
+            "--parallel": (self.parallel, 1, 4096),
+            "--queue": (self.queue, 0, 1 << 20),
+            "--max-prompt-tokens": (self.max_prompt_tokens, 1, 1 << 30),
+            "--max-tokens": (self.max_tokens, 1, 1 << 30),
+            "--max-body-bytes": (self.max_body_bytes, 1024, 1 << 34),
+            "--max-sessions": (self.max_sessions, 1, 1 << 20),
+            "--max-session-files": (self.max_session_files, 1, 1 << 30),
+            "--prompt-chunk": (self.prompt_chunk, 1, 1 << 20),
         }
-        for name, (value, least) in at_least.items():
-            if value < least:
-                raise AftgenError(f"{name} must be >= {least}, got {value}")
+        for name, (value, least, most) in ranges.items():
+            if not least <= value <= most:
+                raise AftgenError(f"{name} must be between {least} and {most}, got {value}")
         for name, seconds in (("--timeout", self.timeout), ("--read-timeout", self.read_timeout)):
             if not seconds > 0:
                 raise AftgenError(f"{name} must be positive, got {seconds}")
