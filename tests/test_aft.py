@@ -7,7 +7,7 @@ import torch
 from conftest import DEVICE, on_device
 
 from aftgen.errors import AftgenError
-from aftgen.mixers.aft import AFTMixer, aft_naive, aft_parallel, aft_step, empty_state, soft_cap
+from aftgen.mixers.aft import AFTMixer, aft_naive, aft_parallel, aft_step, empty_state, soft_cap, step_tables
 from aftgen.model import ACTIVATIONS, AFTLM, AFTConfig
 
 
@@ -30,7 +30,8 @@ def test_parallel_matches_naive(s, T, chunk):
 def test_step_matches_naive(s):
     q, k, v, w, decay = random_inputs(T=30, s=s)
     state = empty_state(2, 3, 4, s, device=DEVICE)
-    ys = torch.stack([aft_step(q[:, t], k[:, t], v[:, t], w, decay, state) for t in range(30)], dim=1)
+    tables = step_tables(w, decay)
+    ys = torch.stack([aft_step(q[:, t], k[:, t], v[:, t], tables, state) for t in range(30)], dim=1)
     assert (ys.double() - aft_naive(q, k, v, w, decay)).abs().max() < 1e-5
     assert int(state["position"]) == 30
 
@@ -58,7 +59,7 @@ def test_state_carries_across_chunks():
     # ...and the step form picks up from a state the parallel form wrote.
     stepped = empty_state(2, 3, 4, 6, device=DEVICE)
     for t in range(45):
-        aft_step(q[:, t], k[:, t], v[:, t], w, decay, stepped)
+        aft_step(q[:, t], k[:, t], v[:, t], step_tables(w, decay), stepped)
     for name in ("window_k", "window_v", "position"):
         assert torch.allclose(state[name].float(), stepped[name].float(), atol=1e-6)
     true_prefix = stepped["prefix_num"] * torch.exp(stepped["prefix_max"])
@@ -124,8 +125,7 @@ def test_huge_keys_and_long_sequences_stay_finite():
             q[:, t].detach(),
             soft_cap(raw_k[:, t].detach()),
             v[:, t].detach(),
-            soft_cap(w.detach()),
-            decay.detach(),
+            step_tables(soft_cap(w.detach()), decay.detach()),
             state,
         )
         assert torch.isfinite(out).all()

@@ -20,14 +20,17 @@ Three forms compute it:
 Numerical safety: keys and window biases are soft-capped into (-KEY_CAP, KEY_CAP), so every weight
 exp(k + b) lies in [exp(-2 KEY_CAP), exp(2 KEY_CAP)] (or decays below that, far in the past). No sum
 can overflow in fp32 at any practical length, and the denominator always holds the current token's
-own weight, so it never underflows to 0.
+own weight, so it never underflows to 0. The same bounds let a token's output be read from the state
+without a max pass: its window weights are bounded, and the prefix's stabiliser never rises above KEY_CAP.
 
 Shapes: q, k, v are (B, T, H, D) (batch, time, heads, channels per head), or (B, H, D) for one token.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -94,18 +97,42 @@ def rephase_state(state: MixerState, from_position: int, to_position: int) -> Mi
     return moved
 
 
-def aft_step(q, k, v, w: torch.Tensor, decay: torch.Tensor, state: MixerState) -> torch.Tensor:
-    """y (B, H, D) of one more token, q, k, v (B, H, D), updating `state` in place: O(s D) work.
+class StepTables(NamedTuple):
+    """What the step reads of the window bias and the decay, laid out for it once per change of the parameters."""
 
-    k and w already soft-capped. The token leaving the window moves into the prefix. The position
-    stays a tensor and the slot is addressed with index_select / index_copy_, so there is no host
-    sync and torch.compile can fuse the whole step.
+    window_bias: torch.Tensor  # (s + 1, H, s): row s - 1 - (n mod s) is every slot's bias when token n is the newest
+    decay: torch.Tensor  # (H, 1): lambda, broadcast over channels
+
+
+def step_tables(w: torch.Tensor, decay: torch.Tensor) -> StepTables:
+    """The step's tables for a soft-capped w (H, s) and lambda (H,).
+
+    Slot j of the ring buffer holds the token at distance (n - j) mod s from the newest token n. The
+    biases of every slot are then s consecutive entries of w's distances reversed and repeated, so one
+    (2s, H) tensor and a view of its s + 1 windows serve every n: no table of s * s entries.
     """
     s = w.shape[1]
+    reversed_twice = w.flip(1).repeat(1, 2).T  # (2s, H): entry m is distance (s - 1 - m) mod s
+    return StepTables(reversed_twice.unfold(0, s, 1), decay[:, None])
+
+
+def ring_slot(position: torch.Tensor, s: int) -> torch.Tensor:
+    """The window's slot (1,) of the token at `position` (a tensor: no host sync); 0 where there is no window."""
+    return (position % max(s, 1)).view(1)
+
+
+def aft_step(q, k, v, tables: StepTables, state: MixerState) -> torch.Tensor:
+    """y (B, H, D) of one more token, q, k, v (B, H, D), updating `state` in place: O(s D) work.
+
+    k already soft-capped. The token leaving the window moves into the prefix. The position stays a
+    tensor and the slot is addressed with index_select / index_copy_, so there is no host sync and
+    torch.compile can fuse the whole step.
+    """
+    s = tables.window_bias.shape[-1]
     position = state["position"]
     win_k, win_v = state["window_k"], state["window_v"]  # (B, s, H, D)
+    slot = ring_slot(position, s)
     if s:
-        slot = (position % s).view(1)
         leaving_k, leaving_v = win_k.index_select(1, slot)[:, 0], win_v.index_select(1, slot)[:, 0]  # (B, H, D)
     else:
         leaving_k, leaving_v = k, v
@@ -113,38 +140,36 @@ def aft_step(q, k, v, w: torch.Tensor, decay: torch.Tensor, state: MixerState) -
     # Fold the leaving token (distance s: weight exp(k - lambda)) into the prefix, decaying the rest.
     a, b, p = state["prefix_num"], state["prefix_den"], state["prefix_max"]  # (B, H, D)
     top = torch.maximum(p, leaving_k)
-    old_scale, new_scale = torch.exp(p - top), torch.exp(leaving_k - top)
-    a.mul_(old_scale).add_(new_scale * leaving_v)
+    old_scale, new_scale = (p - top).exp_(), (leaving_k - top).exp_()
+    a.mul_(old_scale).addcmul_(new_scale, leaving_v)
     b.mul_(old_scale).add_(new_scale)
-    p.copy_(top - decay[None, :, None])
+    torch.sub(top, tables.decay, out=p)
 
     if s:
         win_k.index_copy_(1, slot, k[:, None])
         win_v.index_copy_(1, slot, v[:, None])
-    y = latest_output(q, w, state, position)
+    y = latest_output(q, tables, state, slot)
     position.add_(1)
     return y
 
 
-def latest_output(q: torch.Tensor, w: torch.Tensor, state: MixerState, newest: torch.Tensor) -> torch.Tensor:
-    """y (B, H, D) of the token at position `newest`, q (B, H, D), from a state that already holds it.
+def latest_output(q: torch.Tensor, tables: StepTables, state: MixerState, newest_slot: torch.Tensor) -> torch.Tensor:
+    """y (B, H, D) of the newest token, q (B, H, D), from a state that already holds it in `newest_slot` (1,).
 
     Its window holds the last s tokens, weighted exp(k + w[distance]); its prefix everything older,
-    already decayed to this token. Max-stabilised, like the prefix itself.
+    exp(prefix_max) times the stored sums, already decayed to this token.
     """
-    s = w.shape[1]
+    s = tables.window_bias.shape[-1]
     a, b, p = state["prefix_num"], state["prefix_den"], state["prefix_max"]  # (B, H, D)
     if not s:
-        return torch.sigmoid(q) * a / b
+        return torch.sigmoid(q).mul_(a).div_(b)
     win_k, win_v = state["window_k"], state["window_v"]  # (B, s, H, D)
-    distance = (newest - torch.arange(s, device=q.device)) % s  # (s,): of each slot's token
-    scores = win_k + w[:, distance].T[None, :, :, None]  # (B, s, H, D)
-    top = torch.maximum(p, scores.amax(dim=1))  # (B, H, D)
-    window_scale = torch.exp(scores - top[:, None])
-    prefix_scale = torch.exp(p - top)
-    num = a * prefix_scale + (window_scale * win_v).sum(dim=1)
-    den = b * prefix_scale + window_scale.sum(dim=1)
-    return torch.sigmoid(q) * num / den
+    bias = tables.window_bias.index_select(0, (s - 1) - newest_slot)  # (1, H, s)
+    weights = (win_k + bias.permute(0, 2, 1)[..., None]).exp_()  # (B, s, H, D)
+    prefix_weight = p.exp()
+    num = torch.linalg.vecdot(weights, win_v, dim=1).addcmul_(a, prefix_weight)
+    den = weights.sum(dim=1).addcmul_(b, prefix_weight)
+    return torch.sigmoid(q).mul_(num).div_(den)
 
 
 def aft_parallel(
@@ -171,7 +196,8 @@ def aft_parallel(
     y, prefix = aft_chunked_from(q, k, v, w, decay, chunk, history, outputs=not last_only)
     new_state = _advanced(state, history, k, v, prefix)
     if last_only:
-        y = latest_output(q[:, T - 1], w, new_state, new_state["position"] - 1)[:, None]
+        newest_slot = ring_slot(new_state["position"] - 1, s)
+        y = latest_output(q[:, T - 1], step_tables(w, decay), new_state, newest_slot)[:, None]
     return y, new_state if return_state else None
 
 
@@ -192,12 +218,13 @@ def _advanced(state: MixerState, history: History, k, v, prefix: torch.Tensor) -
     newest = max(T - s, 0)  # the last s keys and values come from the old window and the new tokens
     keys = torch.cat([history.keys, k[:, newest:T]], dim=1)[:, T - newest :]
     values = torch.cat([history.values, v[:, newest:T]], dim=1)[:, T - newest :]
+    num = prefix[..., :D].contiguous()  # every tensor laid out as empty_state lays it out (the compiled step's)
     return {
         "window_k": keys.index_select(1, ring_order),
         "window_v": values.index_select(1, ring_order),
-        "prefix_num": prefix[..., :D].contiguous(),
+        "prefix_num": num,
         "prefix_den": prefix[..., D:].contiguous(),
-        "prefix_max": torch.zeros_like(prefix[..., :D]),
+        "prefix_max": torch.zeros_like(num),
         "position": position,
     }
 
@@ -216,8 +243,11 @@ def focused_window_bias(n_head: int, window: int) -> torch.Tensor:
     return (math.log(window) + 1) * torch.exp(-torch.arange(window)[None, :] / focus)
 
 
-def full_precision(device: torch.device) -> torch.autocast:
-    """Autocast off: under mixed precision the exp/sum accumulations must still run in fp32."""
+def full_precision(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off: under mixed precision the exp/sum accumulations must still run in fp32. Nothing to
+    switch where autocast is already off (entering a context at every layer of every step costs time)."""
+    if not torch.is_autocast_enabled(device.type):
+        return contextlib.nullcontext()
     return torch.autocast(device.type, enabled=False)
 
 
@@ -265,9 +295,8 @@ class AFTMixer(torch.nn.Module):
         return F.softplus(self.decay_logit)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = self.qkv(x).split(self.n_head * self.head_dim, dim=-1)
-        shape = (*x.shape[:-1], self.n_head, self.head_dim)
-        return q.view(shape), soft_cap(k.view(shape).float()), v.view(shape)
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.n_head, self.head_dim)).unbind(-3)
+        return q, soft_cap(k.float()), v
 
     def initial_state(self, batch_size: int, device=None) -> MixerState:
         return empty_state(batch_size, self.n_head, self.head_dim, self.w.shape[1], device)
@@ -287,5 +316,17 @@ class AFTMixer(torch.nn.Module):
     def step(self, x: torch.Tensor, state: MixerState) -> torch.Tensor:
         q, k, v = self._qkv(x)  # (B, H, D)
         with full_precision(x.device):
-            y = aft_step(q.float(), k, v.float(), soft_cap(self.w), self.decay(), state)
+            y = aft_step(q.float(), k, v.float(), self.step_tables(), state)
         return self.proj(y.to(x.dtype).flatten(-2))
+
+    def step_tables(self) -> StepTables:
+        """The step's tables of w and the decay: derived at every step inside a compiled step (where that is
+        fused and free), else once per change of the parameters (an optimizer step, a load, a move)."""
+        if torch.compiler.is_compiling():
+            return step_tables(soft_cap(self.w), self.decay())
+        version = (self.w._version, self.decay_logit._version, self.w.data_ptr(), self.decay_logit.data_ptr())
+        if getattr(self, "_tables_version", None) != version:
+            with torch.no_grad():  # the step is for inference: no gradient flows through these
+                self._tables = step_tables(soft_cap(self.w), self.decay())
+            self._tables_version = version
+        return self._tables
