@@ -167,7 +167,12 @@ class Compiled:
         return self.function(*args, **kwargs)
 
     def _fall_back(self, exc: Exception) -> None:
-        first_line = next(iter(str(exc).strip().splitlines()), "")
-        self.failure = f"{type(exc).__name__}: {first_line[:200]}" if first_line else type(exc).__name__
+        self.failure = failure_line(exc)
         if self.warn is not None:
             self.warn(self.failure)
+
+
+def failure_line(exc: Exception) -> str:
+    """Why compiling failed, in one line: the exception's type and the first line of its message."""
+    first_line = next(iter(str(exc).strip().splitlines()), "")
+    return f"{type(exc).__name__}: {first_line[:200]}" if first_line else type(exc).__name__

@@ -39,6 +39,14 @@ def _kind(path: Path | str) -> str | None:
         return None
 
 
+def cache_dir() -> Path:
+    """Where aftgen keeps what it can make again (tokenizers, token ids, compiled steps): $AFTGEN_CACHE,
+    else $XDG_CACHE_HOME/aftgen."""
+    if os.environ.get("AFTGEN_CACHE"):
+        return Path(os.environ["AFTGEN_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "aftgen"
+
+
 def kind_of(mode: int) -> str:
     """What a file of this st_mode is: "a file", "a folder", "a device", "a FIFO", ..."""
     return _KINDS.get(stat.S_IFMT(mode), "a special file")

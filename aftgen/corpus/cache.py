@@ -26,19 +26,12 @@ import numpy as np
 import torch
 
 from aftgen.corpus.token_file import TokenFile
-from aftgen.files import atomic_write, is_count
+from aftgen.files import atomic_write, cache_dir, is_count
 
 FORMAT = 1  # bump when what a cache entry holds changes
 PARTS = ("held_out", "train")
 PROGRESS, MANIFEST = "progress.json", "tokens.json"
 _TORCH_DTYPES = {"uint16": torch.uint16, "int32": torch.int32}
-
-
-def cache_dir() -> Path:
-    """Where tokenizers and token ids are cached: $AFTGEN_CACHE, else $XDG_CACHE_HOME/aftgen."""
-    if os.environ.get("AFTGEN_CACHE"):
-        return Path(os.environ["AFTGEN_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "aftgen"
 
 
 def cache_key(payload: dict) -> str:
