@@ -7,18 +7,23 @@ came before.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 import time
 import typing
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aftgen.device import Compiled
+from aftgen.device import Compiled, failure_line
 from aftgen.errors import AftgenError
+from aftgen.files import atomic_open, cache_dir
 from aftgen.mixers import MIXERS, MixerState, make_mixer
 
 ModelState = list[MixerState]  # one mixer state per layer
@@ -265,6 +270,17 @@ StepFunction = Callable[[torch.Tensor, ModelState], tuple[torch.Tensor, ModelSta
 PrefillFunction = Callable[..., tuple[torch.Tensor, ModelState]]
 
 
+def compiled_folder() -> Path:
+    """Where compiled code is kept: in aftgen's cache folder, which outlives a reboot (unlike /tmp)."""
+    return cache_dir() / "compiled"
+
+
+def use_persistent_compile_cache() -> None:
+    """Keep PyTorch's compile caches (inductor's FX graph and AOTAutograd caches) in compiled_folder(), so
+    a second start compiles in seconds; a TORCHINDUCTOR_CACHE_DIR already set wins."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled_folder() / "torch"))
+
+
 def _compiled(function: Callable, warm_up: Callable[[Callable], object]) -> tuple[Callable, str]:
     """`function` compiled into fused kernels and warmed up by `warm_up(compiled)`, or `function` itself
     where no compiler works; and a note of what happened.
@@ -272,6 +288,7 @@ def _compiled(function: Callable, warm_up: Callable[[Callable], object]) -> tupl
     The compile (tens of seconds the first time, a few once PyTorch's on-disk cache holds it) is
     paid here, on scratch inputs, so it never lands inside a generation.
     """
+    use_persistent_compile_cache()
     start = time.perf_counter()
     compiled = Compiled(function, fullgraph=True, dynamic=False)
     with torch.inference_mode():  # the mode generation runs in: compiled graphs are specific to it
@@ -281,10 +298,122 @@ def _compiled(function: Callable, warm_up: Callable[[Callable], object]) -> tupl
     return compiled, f"compiled in {time.perf_counter() - start:.1f} s"
 
 
-def compile_step(model: AFTLM, batch_size: int = 1) -> tuple[StepFunction, str]:
-    """`model.step` compiled for `batch_size` sequences (see _compiled), and a note of what happened."""
-    ids = torch.zeros(batch_size, dtype=torch.long, device=model.embed.weight.device)
-    return _compiled(model.step, lambda step: step(ids, model.initial_state(batch_size)))
+# The step is compiled ahead of time (torch.export, then AOTInductor) rather than through torch.compile:
+# a step is a millisecond, and torch.compile's guards and Python wrappers cost a third of one beside the
+# step's own matrix-vector products (its floor); a package's C++ runner costs a tenth. Its fused kernels
+# are serial: the matrix products follow the threads aftgen.cores gives torch, and no kernel of 10k
+# elements waits on a second thread's core.
+STEP_PACKAGE_CONFIG = {"cpp.threads": 1}
+STEP_PACKAGE_FORMAT = 1  # bump when what a package holds or takes changes
+
+
+def _weights(model: AFTLM) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters()) | dict(model.named_buffers())
+
+
+class _Step(nn.Module):
+    def __init__(self, model: AFTLM):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, state: ModelState) -> torch.Tensor:
+        return self.model.step(ids, state)[0]
+
+
+class _StepOfWeights(nn.Module):
+    """What torch.export sees: the step as a function of the weights, the token ids and the state, its
+    logits out (the state is updated in place). Weights as inputs, not constants: nothing computed from
+    them is folded into the package, which serves every model of the architecture, weights as they are."""
+
+    def __init__(self, model: AFTLM):
+        super().__init__()
+        self.step = (_Step(model),)  # in a tuple: not a submodule, so its weights are not the program's
+
+    def forward(self, weights: dict[str, torch.Tensor], ids: torch.Tensor, state: ModelState) -> torch.Tensor:
+        return torch.func.functional_call(self.step[0], {f"model.{n}": t for n, t in weights.items()}, (ids, state))
+
+
+class CompiledStep:
+    """`model.step` through a compiled package for batches of 1 to `max_batch` sequences; any other batch,
+    or a state whose tensors are not laid out as `initial_state` lays them out, steps eagerly."""
+
+    def __init__(self, model: AFTLM, package, max_batch: int):
+        self.model, self.max_batch = model, max_batch
+        self.device = model.embed.weight.device
+        self.weights = list(_weights(model).values())  # the package's first inputs, in its order
+        self.names = list(model.initial_state(1)[0])  # then the ids, then each layer's tensors in this order
+        self.package = package  # kept alive for its runner, called directly: no pytree of the state per token
+        self._run = package.loader.boxed_run
+
+    def __call__(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
+        ids = ids.to(self.device, torch.long).contiguous()
+        batch, inputs = ids.shape[0], [ids]
+        for layer in state:
+            inputs.extend(layer[name] for name in self.names)
+        # The package reads raw memory: shapes and strides must be the ones it was compiled for.
+        if not 1 <= batch <= self.max_batch or not all(
+            t.is_contiguous() and (t.dim() == 0 or t.shape[0] == batch) for t in inputs
+        ):
+            return self.model.step(ids, state)
+        return self._run(self.weights + inputs)[0], state
+
+
+def compile_step(model: AFTLM, max_batch: int = 1) -> tuple[StepFunction, str]:
+    """`model.step` compiled for every batch size from 1 to `max_batch` (CompiledStep), or `model.step`
+    itself where no compiler works; and a note of what happened.
+
+    The first compile of a model's architecture (tens of seconds) is kept in aftgen's cache folder; later
+    ones, in this process or the next, load it in well under a second. Compile once, before generating.
+    """
+    start = time.perf_counter()
+    try:
+        package, origin = _step_package(model, max_batch)
+        step = CompiledStep(model, package, max_batch)
+    except Exception as exc:  # no C++ compiler, a device or op the exporter cannot handle: eager always works
+        return model.step, f"eager (compiling the step failed: {failure_line(exc)})"
+    return step, f"compiled{origin} in {time.perf_counter() - start:.1f} s"
+
+
+def _step_package(model: AFTLM, max_batch: int):
+    """The loaded package of the model's step for 1 to `max_batch` rows, compiled now unless the cache has
+    it; and " (from the cache)" where it did."""
+    use_persistent_compile_cache()
+    path = compiled_folder() / f"step-{_step_key(model, max_batch)}.pt2"
+    origin = " (from the cache)"
+    if not path.exists():
+        _package_step(model, max_batch, path)
+        origin = ""
+    return torch._inductor.aoti_load_package(str(path)), origin
+
+
+def _package_step(model: AFTLM, max_batch: int, path: Path) -> None:
+    """Export the step for 1 to `max_batch` rows (one graph with a dynamic batch size, or batch 1 alone)
+    and compile it into a package at `path`, written atomically (another process may be loading it)."""
+    device = model.embed.weight.device
+    weights, ids = _weights(model), torch.zeros(max_batch, dtype=torch.long, device=device)
+    state, shapes = model.initial_state(max_batch), None
+    if max_batch > 1:
+        rows = torch.export.Dim("rows", min=1, max=max_batch)
+        per_layer = [{name: {0: rows} if t.dim() else None for name, t in layer.items()} for layer in state]
+        shapes = (dict.fromkeys(weights), {0: rows}, per_layer)
+    program = torch.export.export(_StepOfWeights(model), (weights, ids, state), dynamic_shapes=shapes)
+    configs = dict(STEP_PACKAGE_CONFIG)  # a copy: the compiler adds to the dict it is given
+    with atomic_open(path) as handle:
+        torch._inductor.aoti_compile_and_package(program, package_path=handle, inductor_configs=configs)
+
+
+def _step_key(model: AFTLM, max_batch: int) -> str:
+    """What a compiled step depends on: the architecture, the batch range, the step's code, torch, the
+    machine's instruction set or GPU, and autocast. Not the weights: the package takes them at every call."""
+    device = model.embed.weight.device
+    autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
+    facts = [STEP_PACKAGE_FORMAT, model.config.to_dict(), max_batch, str(device), hardware, str(autocast),
+             torch.__version__, STEP_PACKAGE_CONFIG]  # fmt: skip
+    digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
+    for source in sorted([Path(__file__), *Path(__file__).parent.glob("mixers/*.py")]):  # the code the step runs
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:20]
 
 
 def compile_prefill(model: AFTLM, length: int) -> tuple[PrefillFunction, str]:

@@ -1,0 +1,122 @@
+"""The compiled step (aftgen.model.compile_step) is the eager step, faster: the same logits and states at every
+batch size it serves, the model's own weights, and the eager step wherever it cannot serve."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import on_device
+
+from aftgen.model import AFTLM, AFTConfig, clone_state, compile_step
+
+MAX_BATCH = 32
+
+
+def tiny_model() -> AFTLM:
+    torch.manual_seed(0)
+    model = on_device(AFTLM(AFTConfig(vocab_size=50, n_layer=2, n_embd=32, n_head=4, window=8, context_length=64)))
+    with torch.no_grad():  # biases and decays away from their start, so the step's use of them shows
+        for block in model.blocks:
+            block.mixer.perturb_()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """The one compile of this file: a tiny model's step for 1 to 32 rows."""
+    model = tiny_model()
+    step, note = compile_step(model, MAX_BATCH)
+    if note.startswith("eager"):
+        pytest.skip(f"no compiler here: {note}")
+    return model, step
+
+
+def read_prompts(model: AFTLM, rows: int, seed: int = 0):
+    """A state after a random prompt per row (read in the parallel form, as generation starts), and the
+    tokens that follow."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt, following = torch.randint(0, 50, (2, rows, 20), generator=generator)
+    _, state = model.prefill(on_device(prompt), last_only=True)
+    return state, on_device(following)
+
+
+def no_eager_fallback(*args):
+    raise AssertionError("the compiled step stepped eagerly")
+
+
+def assert_states_close(state, expected) -> None:
+    for layer, expected_layer in zip(state, expected, strict=True):
+        assert layer.keys() == expected_layer.keys()
+        for name in layer:
+            torch.testing.assert_close(layer[name], expected_layer[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("rows", [1, 3, MAX_BATCH])
+def test_compiled_step_gives_the_eager_logits_and_a_state_that_continues_alike(compiled, rows, monkeypatch):
+    model, step = compiled
+    eager = model.step
+    monkeypatch.setattr(model, "step", no_eager_fallback)  # every step below is the compiled one's own
+    state, following = read_prompts(model, rows, seed=rows)
+    fast, slow = clone_state(state), clone_state(state)
+    with torch.inference_mode():
+        for t in range(10):
+            fast_logits, _ = step(following[:, t], fast)
+            slow_logits, _ = eager(following[:, t], slow)
+            assert fast_logits.shape == (rows, 50)
+            torch.testing.assert_close(fast_logits, slow_logits, rtol=1e-4, atol=1e-4)
+        assert_states_close(fast, slow)
+        for t in range(10, 20):  # the compiled step's state read on by the eager step, and the other way round
+            torch.testing.assert_close(
+                eager(following[:, t], fast)[0], step(following[:, t], slow)[0], rtol=1e-4, atol=1e-4
+            )
+    assert_states_close(fast, slow)
+
+
+def test_a_second_compile_loads_the_cached_step_and_reads_the_models_own_weights(compiled, monkeypatch):
+    model, _ = compiled
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.mul_(1.5)
+    step, note = compile_step(other, MAX_BATCH)  # the same architecture: the package from the fixture's compile
+    assert note.startswith("compiled (from the cache)"), note
+    eager = other.step
+    monkeypatch.setattr(other, "step", no_eager_fallback)
+    state, following = read_prompts(other, 2)
+    fast, slow = clone_state(state), clone_state(state)
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            step(following[:, 0], fast)[0], eager(following[:, 0], slow)[0], rtol=1e-4, atol=1e-4
+        )
+        with torch.no_grad():
+            other.embed.weight.add_(0.1)  # weights changed in place after compiling: the compiled step sees it
+        torch.testing.assert_close(
+            step(following[:, 1], fast)[0], eager(following[:, 1], slow)[0], rtol=1e-4, atol=1e-4
+        )
+
+
+def test_batches_and_states_the_package_was_not_compiled_for_step_eagerly(compiled):
+    model, step = compiled
+    state, following = read_prompts(model, MAX_BATCH + 1)
+    with torch.inference_mode():
+        logits, _ = step(following[:, 0], clone_state(state))  # one row more than compiled for
+        torch.testing.assert_close(logits, model.step(following[:, 0], clone_state(state))[0])
+        strided = [
+            {name: t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() else t for name, t in layer.items()}
+            for layer in clone_state(state)
+        ]
+        logits, _ = step(following[:, 0], strided)  # the same values, laid out otherwise
+        torch.testing.assert_close(logits, model.step(following[:, 0], clone_state(state))[0])
+
+
+def test_the_step_falls_back_to_eager_where_compiling_fails(monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(torch.export, "export", no_compiler)
+    model = tiny_model()
+    step, note = compile_step(model, 2)  # a batch range not compiled before: the cache has no package for it
+    assert step == model.step
+    assert note == "eager (compiling the step failed: RuntimeError: no C++ compiler found)"
