@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -30,8 +31,9 @@ from aftgen.cli import app
 from aftgen.device import resolve
 from aftgen.model import AFTLM, AFTConfig, clone_state, tokens_read
 from aftgen.sampling import PromptReader, SamplingOptions, generate, read_prompt
+from aftgen.serve import batch as batch_module
 from aftgen.serve.app import Server
-from aftgen.serve.batch import Batch
+from aftgen.serve.batch import Batch, CompiledBatchStep
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.schema import APIError, parse_request
@@ -58,8 +60,10 @@ def _one_thread() -> Iterator[None]:
 
 @contextlib.contextmanager
 def running(model_dir, **changes) -> Iterator[str]:
-    """A server for `model_dir` on a free loopback port, in this process; yields its base URL."""
-    options = ServeOptions(**dict(model=str(model_dir), port=0, api_key=KEY, cache_mb=16) | LIMITS | changes)
+    """A server for `model_dir` on a free loopback port, in this process; yields its base URL. Its step is
+    eager: a compile (tens of seconds) is tested once, by bench serve's server."""
+    base = dict(model=str(model_dir), port=0, api_key=KEY, cache_mb=16, compile_step=False)
+    options = ServeOptions(**base | LIMITS | changes)
     server, sock, url = prepare(options, resolve(DEVICE, "fp32"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -448,7 +452,9 @@ def test_bench_serve_runs_a_server_and_reports_against_the_targets(tiny_run):
     for streams in (1, 8, 32):
         assert figure["aggregate throughput", streams] > 0
         assert figure["engine's ceiling: batched step and sampling, no HTTP", streams] > 0
-        assert 0 < figure["inter-token latency p50", streams] <= figure["inter-token latency p99", streams]
+        p50, p99 = figure["inter-token latency p50", streams], figure["inter-token latency p99", streams]
+        # NaN where each stream's text came in one chunk: a compiled tiny model outruns the HTTP side, which merges
+        assert (math.isnan(p50) and math.isnan(p99)) or 0 < p50 <= p99
         assert 0 < figure["time to first token p50", streams] <= figure["time to first token, slowest stream", streams]
         assert figure["server resident memory", streams] <= figure["server peak resident memory", streams]
     state_mb = float(re.search(r"state ([\d.]+) MB", lines[0]).group(1))
@@ -471,7 +477,7 @@ def test_bench_serve_runs_a_server_and_reports_against_the_targets(tiny_run):
     targets = {(row["measure"], row.get("streams")): row for row in rows if "target" in row}
     assert set(targets) == set(expected)
     for measure, value in expected.items():
-        assert targets[measure]["value"] == pytest.approx(value, rel=1e-2, abs=0.05), measure  # rows are rounded
+        assert targets[measure]["value"] == pytest.approx(value, rel=1e-2, abs=0.05, nan_ok=True), measure  # rounded
         relation, bound = targets[measure]["target"].split()
         judged = targets[measure]["value"]
         assert targets[measure]["ok"] == (judged >= float(bound) if relation == ">=" else judged <= float(bound))
@@ -1035,3 +1041,46 @@ def test_thirty_two_rows_each_with_its_own_settings_give_what_each_gives_alone(t
         alone.append("".join(generate(model, tokenizer, context, SamplingOptions(max_new_tokens=16, **each))))
     assert served() == alone
     assert served() == alone
+
+
+def test_a_step_that_cannot_be_compiled_runs_eagerly_with_one_line_on_stderr(tiny_run, monkeypatch, capsys):
+    model, _ = load(tiny_run, device=DEVICE)
+    note = "eager (compiling the step failed: RuntimeError: no C++ compiler)"
+    monkeypatch.setattr(batch_module, "compile_step", lambda model, rows: (model.step, note))
+    step = CompiledBatchStep(model, 4, resolve(DEVICE, "fp32"))
+    assert step.step == model.step
+    assert capsys.readouterr().err.splitlines() == [f"aftgen serve: the batched step: {note}"]
+
+
+def test_a_server_whose_step_is_still_compiling_steps_eagerly_meanwhile(tiny_run, monkeypatch, capsys):
+    """The compile outlasts the wait: the engine steps with model.step (one line says so), then with the
+    compiled step once it is done, the rows going on as they were."""
+    model, tokenizer = load(tiny_run, device=DEVICE)
+    done, calls = threading.Event(), []
+
+    def compiled(ids, state):
+        calls.append(ids.shape[0])
+        return model.step(ids, state)
+
+    def slow_compile(model, rows):
+        done.wait(30)
+        return compiled, "compiled in 30 s"
+
+    monkeypatch.setattr(batch_module, "compile_step", slow_compile)
+    placement = resolve(DEVICE, "fp32")
+    engine = Engine(model, tokenizer, ServeOptions(cache_mb=0), placement, CompiledBatchStep(model, 4, placement, 0.1))
+    assert "still compiling after 0.1 s" in capsys.readouterr().err
+    events: list = []
+    engine.publish = events.extend
+    options = SamplingOptions(max_new_tokens=8, temperature=0.8, seed=3)
+    ticket = engine.submit(Work(tokenizer.encode("KING:"), options))
+    for _ in range(4):
+        engine.turn()
+    assert not calls
+    done.set()
+    wait_for(lambda: engine.batch.run_step.step is compiled)
+    while not any(owner is ticket and isinstance(event, Done) for owner, event in events):
+        engine.turn()
+    assert calls and set(calls) == {1}
+    text = "".join(event.text for owner, event in events if owner is ticket and isinstance(event, Text))
+    assert text == library_text(tiny_run, "KING:", max_new_tokens=8, temperature=0.8, seed=3)

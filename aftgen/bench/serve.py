@@ -34,7 +34,7 @@ from aftgen.device import Placement, resolve, synchronize
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM
 from aftgen.sampling import SamplingOptions, choose, new_generator
-from aftgen.serve.batch import Batch
+from aftgen.serve.batch import Batch, CompiledBatchStep
 
 PROMPTS = ("ROMEO:", "JULIET:", "KING HENRY:", "First Citizen:", "NURSE:", "HAMLET:", "LADY MACBETH:", "GLOUCESTER:")
 START_TIMEOUT = 180.0  # seconds for the server to load its model and listen
@@ -207,13 +207,14 @@ class Ceiling:
         self.placement: Placement = resolve(options.device, options.dtype)
         self.model: AFTLM = load(options.model, self.placement.device)[0].eval()
         self.threads = threads
+        self.step = CompiledBatchStep(self.model, max(STREAMS), self.placement)  # the server's: --parallel 32
 
     @torch.inference_mode()
     def tokens_per_s(self, streams: int, steps: int) -> float:
         """Rows (from the initial state: a step costs the same at any position) times steps, over their time:
         timed as a phase is, as many steps as a stream's tokens in one stretch, the best round kept."""
         model, threads = self.model, torch.get_num_threads()
-        batch = Batch(model, streams)
+        batch = Batch(model, streams, self.step)
         batch.add([(row, model.initial_state(1), 0) for row in range(streams)])
         rows = [SamplingOptions(temperature=TEMPERATURE)] * streams
         generators = [new_generator(seed) for seed in range(streams)]
@@ -254,7 +255,7 @@ def serve_rows(phases: dict[int, dict[str, float]], state_mb: float) -> list[Row
         "peak_rss_mb": ("server peak resident memory", "MB"),
     }
     rows: list[Row] = [
-        {"measure": label, "value": round(figures[key], 3), "unit": unit, "streams": streams}
+        {"measure": label, "value": round(figures[key], 4), "unit": unit, "streams": streams}
         for streams, figures in phases.items()
         for key, (label, unit) in units.items()
     ]

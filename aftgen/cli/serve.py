@@ -51,6 +51,14 @@ def serve(
         int, _limit("Session files kept in --sessions-dir; past that the least recently used is removed.")
     ] = Defaults.max_session_files,
     prompt_chunk: Annotated[int, _limit("Prompt tokens read between two batched steps.")] = Defaults.prompt_chunk,
+    compile_step: Annotated[
+        bool,
+        typer.Option(
+            "--compile/--no-compile",
+            help="Compile the batched step at start (tens of seconds the first time, about one once cached).",
+            rich_help_panel=HARDWARE_PANEL,
+        ),
+    ] = Defaults.compile_step,
     device: DeviceOption = Defaults.device,
     dtype: DtypeOption = Defaults.dtype,
     threads: Annotated[

@@ -14,10 +14,18 @@ still however busy the server gets.
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import torch
 
+from aftgen.device import Placement
 from aftgen.mixers import fixed_size_state
-from aftgen.model import AFTLM, ModelState
+from aftgen.model import AFTLM, ModelState, StepFunction, compile_step
+
+# Seconds a starting server waits for its compiled step. A first compile of a new model can take longer on
+# two cores: the server then answers with the eager step meanwhile, and changes over when it is done.
+COMPILE_WAIT = 40.0
 
 
 class Batch:
@@ -27,10 +35,11 @@ class Batch:
     position minus row r's own, so its true position is always `position - offsets[r]`.
     """
 
-    def __init__(self, model: AFTLM, capacity: int):
+    def __init__(self, model: AFTLM, capacity: int, step: StepFunction | None = None):
+        """`step`: how the rows are stepped, `model.step` or a compiled form of it (CompiledBatchStep)."""
         if not fixed_size_state(model.config.mixer):
             raise ValueError(f"a {model.config.mixer} mixer has no fixed-size state to batch")
-        self.model, self.capacity = model, capacity
+        self.model, self.capacity, self.run_step = model, capacity, step or model.step
         # Untouched memory: pages become resident only as rows are first used.
         self.buffers = [
             {name: t.new_empty((capacity, *t.shape[1:])) for name, t in layer.items() if t.dim()}
@@ -92,6 +101,37 @@ class Batch:
                 | {"position": torch.tensor(self.position, dtype=torch.long, device=device)}
                 for layer in self.buffers
             ]
-        logits, _ = self.model.step(tokens, self.stepped)  # updates the rows and positions in place
+        logits, _ = self.run_step(tokens, self.stepped)  # updates the rows and positions in place
         self.position += 1
         return logits
+
+
+class CompiledBatchStep:
+    """The model's step compiled for 1 to `rows` rows (model.compile_step) under `placement`, as the batch runs
+    it; `model.step` where compiling fails (one line on stderr says why), and until the compile is done.
+
+    Made when a server starts, before it listens: it waits `wait` seconds at most for the compile (a second
+    start loads it from the cache in about a second), then goes on eagerly while the compile finishes.
+    """
+
+    def __init__(self, model: AFTLM, rows: int, placement: Placement, wait: float = COMPILE_WAIT):
+        self.model, self.step = model, model.step
+        compiling = threading.Thread(target=self._compile, args=(rows, placement), name="aftgen-compile", daemon=True)
+        compiling.start()
+        compiling.join(wait)
+        if compiling.is_alive():
+            say(f"the batched step is still compiling after {wait:g} s: it runs eagerly until it is done")
+
+    def _compile(self, rows: int, placement: Placement) -> None:
+        with placement.autocast():  # the compiled step is specific to the autocast it runs under
+            step, note = compile_step(self.model, rows)
+        if step == self.model.step:  # bound methods: equal, never the same object
+            say(f"the batched step: {note}")
+        self.step = step
+
+    def __call__(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
+        return self.step(ids, state)
+
+
+def say(line: str) -> None:
+    print(f"aftgen serve: {line}", file=sys.stderr, flush=True)

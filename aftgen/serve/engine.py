@@ -22,7 +22,7 @@ import torch
 from aftgen import cores
 from aftgen.device import Placement
 from aftgen.errors import AftgenError
-from aftgen.model import AFTLM, tokens_read
+from aftgen.model import AFTLM, StepFunction, tokens_read
 from aftgen.sampling import Context, PromptReader, ScoresNotFinite, TextStream, new_generator, next_tokens, opening
 from aftgen.serve.batch import Batch
 from aftgen.serve.cache import PrefixCache, state_bytes
@@ -61,9 +61,17 @@ class Row:
 class Engine:
     """The model's side of the server: requests in through `submit`, their events out through `publish`."""
 
-    def __init__(self, model: AFTLM, tokenizer: Tokenizer, options: ServeOptions, placement: Placement):
+    def __init__(
+        self,
+        model: AFTLM,
+        tokenizer: Tokenizer,
+        options: ServeOptions,
+        placement: Placement,
+        step: StepFunction | None = None,
+    ):
+        """`step`: how the batch is stepped (batch.CompiledBatchStep; None: `model.step`)."""
         self.model, self.tokenizer, self.options, self.placement = model, tokenizer, options, placement
-        self.batch = Batch(model, options.parallel)  # its rows are the Rows generating, in step order
+        self.batch = Batch(model, options.parallel, step)  # its rows are the Rows generating, in step order
         self.state_bytes = state_bytes(model.initial_state(1))
         self.cache = PrefixCache(options.cache_mb) if options.cache_mb > 0 else None
         self.sessions = SessionStore(

@@ -38,6 +38,7 @@ class ServeOptions:
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = None  # torch's CPU threads; None: its share of the cores, less HTTP_CORES
+    compile_step: bool = True  # the batched step compiled at start (eager where it cannot be)
 
     def check(self) -> None:
         """Refuse values outside their meaning, before the model is loaded."""

@@ -52,6 +52,7 @@ def prepare(options: ServeOptions, placement: Placement) -> tuple[uvicorn.Server
 
     from aftgen.api import load
     from aftgen.serve.app import Server
+    from aftgen.serve.batch import CompiledBatchStep
     from aftgen.serve.engine import Engine
     from aftgen.serve.protocol import with_read_timeout
 
@@ -61,7 +62,8 @@ def prepare(options: ServeOptions, placement: Placement) -> tuple[uvicorn.Server
             f"aftgen serve batches fixed-size states; a {model.config.mixer} model's state grows with its stream"
         )
     model.eval()
-    engine = Engine(model, tokenizer, options, placement)
+    step = CompiledBatchStep(model, options.parallel, placement) if options.compile_step else None
+    engine = Engine(model, tokenizer, options, placement, step)
     app = Server(engine, model_name(options.model)).app()
     sock = listening_socket(options.host, options.port)
     host, port = sock.getsockname()[:2]
