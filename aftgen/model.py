@@ -363,7 +363,8 @@ def compile_step(model: AFTLM, max_batch: int = 1) -> tuple[StepFunction, str]:
     itself where no compiler works; and a note of what happened.
 
     The first compile of a model's architecture (tens of seconds) is kept in aftgen's cache folder; later
-    ones, in this process or the next, load it in well under a second. Compile once, before generating.
+    ones, in this process or the next, load it in well under a second. Compile once, before generating,
+    inside the autocast the step will run in (Placement.autocast()): the compiled step keeps its dtypes.
     """
     start = time.perf_counter()
     try:
