@@ -301,9 +301,8 @@ def _compiled(function: Callable, warm_up: Callable[[Callable], object]) -> tupl
 # The step is compiled ahead of time (torch.export, then AOTInductor) rather than through torch.compile:
 # a step is a millisecond, and torch.compile's guards and Python wrappers cost a third of one beside the
 # step's own matrix-vector products (its floor); a package's C++ runner costs a tenth. Its fused kernels
-# are serial: the matrix products follow the threads aftgen.cores gives torch, and no kernel of 10k
-# elements waits on a second thread's core.
-STEP_PACKAGE_CONFIG = {"cpp.threads": 1}
+# take torch's thread count when they run, not when they were compiled: it follows aftgen.cores' share.
+STEP_PACKAGE_CONFIG = {"cpp.dynamic_threads": True}
 STEP_PACKAGE_FORMAT = 1  # bump when what a package holds or takes changes
 
 
