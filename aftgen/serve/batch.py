@@ -66,7 +66,7 @@ class Batch:
                     buffer[row].copy_(layer[name][0])
             self.rows.append(owner)
             self.offsets.append(self.position - position)
-        self.stepped = None
+            self.stepped = None
 
     def state_of(self, owner: object) -> tuple[ModelState, int]:
         """A copy of one row's state as a batch-1 state at its own position, and that position."""
@@ -86,7 +86,7 @@ class Batch:
                 self.rows[row], self.offsets[row] = self.rows[last], self.offsets[last]
             self.rows.pop()
             self.offsets.pop()
-        self.stepped = None
+            self.stepped = None
 
     def clear(self) -> None:
         self.rows, self.offsets, self.stepped = [], [], None
