@@ -464,6 +464,8 @@ def test_bench_serve_runs_a_server_and_reports_against_the_targets(tiny_run):
         / figure["aggregate throughput", 1],
         ("ITL p99 at 32 streams / single-stream step (ITL p50 at 1)", None): figure["inter-token latency p99", 32]
         / figure["inter-token latency p50", 1],
+        ("ITL p99 / p50 at 32 streams", None): figure["inter-token latency p99", 32]
+        / figure["inter-token latency p50", 32],
         ("peak resident memory growth 1 -> 32 streams, beyond 32 states", None): figure[
             "server peak resident memory", 32
         ]

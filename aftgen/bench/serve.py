@@ -274,6 +274,7 @@ def serve_rows(phases: dict[int, dict[str, float]], state_mb: float) -> list[Row
         + [
             TARGETS["serve throughput"].judge(speedup),
             TARGETS["serve latency"].judge(latency),
+            TARGETS["serve latency spread"].judge(many["itl_p99_ms"] / many["itl_p50_ms"]),
             TARGETS["serve memory"].judge(growth - max(STREAMS) * state_mb),
         ]
     )
