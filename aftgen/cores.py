@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +62,9 @@ class Registry:
         return self.folder / f"{self.pid}.json"
 
     def write(self, command: str, busy: bool) -> None:
-        """Add or update this process's entry (written whole, then renamed: a reader never sees half)."""
+        """Add or update this process's entry (written whole, then renamed: a reader never sees half). Not
+        files.atomic_write: its fsync would stall a server's first request after a pause, and an entry is
+        worth nothing once its process is gone."""
         self.folder.mkdir(parents=True, exist_ok=True)
         record = {"pid": self.pid, "started": _start_time(self.pid), "command": command, "busy": busy}
         partial = self.folder / f".{self.pid}.partial"
@@ -235,11 +237,11 @@ def claim(command: str, fixed: int | None = None, reserve: int = 0, busy: bool =
     """Join the registry as `command` and set torch's threads to this process's share; returns them.
 
     `fixed`: the user's --threads (still registered, so that the others make room). `reserve`: cores left
-    to other work in this process. `busy=False`: a process that waits for work (a server, a chat) and says
-    when it has some, through adapt(busy=...) or working()."""
+    to other work in this process. `busy=False`: a process that waits for work (a server) and says when it
+    has some, through adapt(busy=...)."""
     global _share
-    from aftgen.corpus.cache import cache_dir
     from aftgen.device import physical_cores
+    from aftgen.files import cache_dir
 
     _leave()
     registry = None if os.environ.get(SOLO_VARIABLE) else Registry(cache_dir() / "running")
@@ -251,18 +253,6 @@ def adapt(busy: bool | None = None) -> None:
     """Follow the other processes' comings and goings (ThreadShare.adapt); a no-op before claim()."""
     if _share is not None:
         _share.adapt(busy)
-
-
-@contextlib.contextmanager
-def working() -> Iterator[None]:
-    """Busy inside, waiting after: a chat computing a reply, then reading the user's next line."""
-    if _share is not None:
-        _share.mark(True)
-    try:
-        yield
-    finally:
-        if _share is not None:
-            _share.mark(False)
 
 
 @atexit.register

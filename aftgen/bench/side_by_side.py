@@ -85,8 +85,7 @@ def serving_beside_training(corpus: Path, seconds: float, env: dict[str, str], l
         alone = serve_rounds(server, lambda: time.monotonic() < until)
         with tempfile.TemporaryDirectory(prefix="aftgen-side-by-side-") as folder:
             job = Training(corpus, seconds, Path(folder), env)
-            while job.running() and not job.started():
-                serve_rounds(server, lambda: False)
+            while job.running() and not job.started():  # the server waits while the training starts
                 time.sleep(0.2)
             together = serve_rounds(server, job.running)
             training = job.steps_per_s()
