@@ -57,7 +57,10 @@ SaveState = Annotated[
     Path | None, typer.Option(help="Write the state after the run, to continue it later.", rich_help_panel=STATE_PANEL)
 ]
 Compile = Annotated[
-    bool, typer.Option("--compile/--no-compile", help="torch.compile the step: seconds of warm-up, then ~3x faster.")
+    bool,
+    typer.Option(
+        "--compile/--no-compile", help="Compile the step ahead of time (tens of seconds once, then from the cache)."
+    ),
 ]
 
 
