@@ -21,6 +21,12 @@ from aftgen.errors import AftgenError
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# What --device and --dtype say in every command's --help, from the tables above.
+DEVICE_HELP = f"{' | '.join(DEVICES)} (cuda:N: the Nth GPU). auto: CUDA, then MPS, then CPU."
+DTYPE_HELP = (
+    f"{' | '.join(('auto', *DTYPES))}: mixed-precision autocast (weights stay fp32). auto: bf16 on GPUs that have it, "
+    "else fp32."
+)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch
 from aftgen import cores
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, ModelState, PrefillFunction, StepFunction, clone_state
+from aftgen.options import Range, flag
 from aftgen.tokenizer import Tokenizer
 
 MAX_REPEAT_LAST_N = 1024  # a context keeps this many recent tokens for the repeat penalty, so its size is fixed
@@ -21,31 +22,6 @@ MAX_REPEAT_LAST_N = 1024  # a context keeps this many recent tokens for the repe
 # dividing by it overflows float32 long before it reaches Python's smallest floats.
 GREEDY_BELOW = 1e-4
 PROMPT_CHUNK = 1024  # tokens read per parallel pass: long texts go in chunks, in constant memory
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a control allows: between `low` and `high` (None: unbounded), each end open or closed."""
-
-    low: float
-    high: float | None = None
-    open_low: bool = False
-    open_high: bool = False
-
-    def __contains__(self, value: float) -> bool:
-        above = value > self.low if self.open_low else value >= self.low
-        below = self.high is None or (value < self.high if self.open_high else value <= self.high)
-        return above and below
-
-    def __str__(self) -> str:
-        if self.high is None:
-            return f"{'>' if self.open_low else '>='} {_number(self.low)}"
-        low, high = _number(self.low), _number(self.high)
-        return f"in {'(' if self.open_low else '['}{low}, {high}{')' if self.open_high else ']'}"
-
-
-def _number(value: float) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 SEEDS = Range(0, (1 << 63) - 1)  # a seed torch.Generator.manual_seed takes as it is given
@@ -136,11 +112,6 @@ CONTROLS: dict[str, Control] = {
     ),
     "repeat_last_n": Control(64, Range(0, MAX_REPEAT_LAST_N), "How many recent tokens the penalty covers."),
 }
-
-
-def flag(name: str) -> str:
-    """The command-line spelling of an option."""
-    return "--" + name.replace("_", "-")
 
 
 def check_seed(seed: int | None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -16,14 +17,17 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
+import typer
 from conftest import DEVICE, on_device
 from typer.testing import CliRunner
 
+import aftgen.options
 from aftgen.api import load
 from aftgen.bench.options import BenchServeOptions
 from aftgen.bench.serve import StreamTiming, bench_serve, best_of, phase_figures
@@ -411,12 +415,26 @@ def test_named_session_continues_after_a_restart_as_if_never_stopped(tiny_run, t
     assert after_restart == by_the_library and len(after_restart) > 5
 
 
+def test_every_serve_option_is_declared_once_and_read_by_the_cli_and_the_reference():
+    """Each field of ServeOptions is an option with its help and panel; `serve --help` lists each with the
+    declared default, and docs/reference.md holds the table made from the same declaration."""
+    declared = aftgen.options.declared(ServeOptions)
+    assert set(declared) == {f.name for f in dataclasses.fields(ServeOptions)}
+    command = typer.main.get_command(app).commands["serve"]
+    by_name = {parameter.name: parameter for parameter in command.params}
+    for name, (_, default, declaration) in declared.items():
+        assert by_name[name].default == default and by_name[name].help == declaration.help, name
+    reference = (Path(__file__).parent.parent / "docs" / "reference.md").read_text(encoding="utf-8")
+    table = aftgen.options.reference_table(ServeOptions)
+    assert table in reference, "docs/reference.md's serve options table is not the declaration's:\n" + table
+
+
 def test_serve_refuses_bad_options_and_a_missing_extra_in_one_line(monkeypatch):
     result = CliRunner().invoke(app, ["serve", "--parallel", "0"])
-    assert result.exit_code == 2 and "error: --parallel must be between 1 and 4096, got 0" in result.output
+    assert result.exit_code == 2 and "error: --parallel must be in [1, 4096], got 0" in result.output
     for option in ("--parallel", "--queue", "--max-prompt-tokens", "--prompt-chunk"):
         result = CliRunner().invoke(app, ["serve", option, str(1 << 64)])
-        assert result.exit_code == 2 and f"error: {option} must be between" in result.output, option
+        assert result.exit_code == 2 and f"error: {option} must be in [" in result.output, option
     real = __import__("importlib").util.find_spec
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
     result = CliRunner().invoke(app, ["serve"])

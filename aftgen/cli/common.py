@@ -18,25 +18,22 @@ import click
 import typer
 
 from aftgen.corpus import CorpusOptions
+from aftgen.device import DEVICE_HELP, DTYPE_HELP
 from aftgen.errors import AftgenError
 from aftgen.files import kind_of
+from aftgen.options import HARDWARE_PANEL, declared
 
-MODEL_PANEL, TRAIN_PANEL, DATA_PANEL, SAMPLE_PANEL = "Model size", "Training", "Data", "Sampling"
-STATE_PANEL, HARDWARE_PANEL = "State files", "Hardware"
+MODEL_PANEL, TRAIN_PANEL, DATA_PANEL, SAMPLE_PANEL, STATE_PANEL = (
+    "Model size",
+    "Training",
+    "Data",
+    "Sampling",
+    "State files",
+)
 DEBUG_VARIABLE = "AFTGEN_DEBUG"
 
-DeviceOption = Annotated[
-    str,
-    typer.Option(help="auto (CUDA, then MPS, then CPU) | cpu | cuda | cuda:N | mps.", rich_help_panel=HARDWARE_PANEL),
-]
-DtypeOption = Annotated[
-    str,
-    typer.Option(
-        help="auto | fp32 | bf16 | fp16: mixed-precision autocast (weights stay fp32). "
-        "auto: bf16 on GPUs that have it, else fp32.",
-        rich_help_panel=HARDWARE_PANEL,
-    ),
-]
+DeviceOption = Annotated[str, typer.Option(help=DEVICE_HELP, rich_help_panel=HARDWARE_PANEL)]
+DtypeOption = Annotated[str, typer.Option(help=DTYPE_HELP, rich_help_panel=HARDWARE_PANEL)]
 ThreadsOption = Annotated[
     int | None,
     typer.Option(
@@ -112,6 +109,15 @@ class _WithOptions:
         shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
                   for name, (annotation, default) in self.group().items()]  # fmt: skip
         return signature.replace(parameters=[*own, *shared])
+
+
+def declared_options(options: type) -> dict[str, tuple[object, object]]:
+    """The fields of a dataclass declared with aftgen.options.option(), as a group of options for with_options."""
+    group = {}
+    for name, (kind, default, declaration) in declared(options).items():
+        spelling = {"rich_help_panel": declaration.panel, "envvar": declaration.envvar}
+        group[name] = (Annotated[kind, typer.Option(*declaration.flags, help=declaration.help, **spelling)], default)
+    return group
 
 
 def fail(message: str, code: int = 2) -> None:

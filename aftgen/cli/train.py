@@ -26,7 +26,8 @@ from aftgen.cli.common import (
 from aftgen.corpus import CorpusOptions
 from aftgen.mixers import MIXERS
 from aftgen.model import ACTIVATIONS
-from aftgen.training.options import FINE_TUNE_DEFAULTS, FINE_TUNE_STEPS, flag
+from aftgen.options import flag
+from aftgen.training.options import FINE_TUNE_DEFAULTS, FINE_TUNE_STEPS
 from aftgen.training.options import TrainOptions as Defaults
 from aftgen.training.recipe import DEFAULT_BUDGET
 

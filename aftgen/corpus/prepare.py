@@ -24,6 +24,7 @@ from aftgen.distributed import World, local_rank
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_write
 from aftgen.model import LIMITS
+from aftgen.options import flag
 from aftgen.tokenizer import TOKENIZER_TYPES, Tokenizer
 
 MAX_WORKERS = 1024  # encoding processes, all started at once: a bound that no machine's cores reach
@@ -60,7 +61,7 @@ class CorpusOptions:
             )
         for name in ("held_out", "vocab_size", "tokenizer_sample", "chunk_chars", "piece_chars"):
             if getattr(self, name) <= 0:
-                raise AftgenError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+                raise AftgenError(f"{flag(name)} must be positive, got {getattr(self, name)}")
         if self.vocab_size > LIMITS["vocab_size"]:
             raise AftgenError(f"--vocab-size must be at most {LIMITS['vocab_size']}, got {self.vocab_size}")
         if self.workers is not None and not 0 < self.workers <= MAX_WORKERS:

@@ -1,12 +1,16 @@
-"""What `aftgen serve` can be told, with its defaults and range checks in one place (the CLI reads them)."""
+"""What `aftgen serve` can be told: each option's default, range and help in one place (the CLI, the checks and
+docs/reference.md read them)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from aftgen.device import DEVICE_HELP, DTYPE_HELP
 from aftgen.errors import AftgenError
+from aftgen.options import HARDWARE_PANEL, POSITIVE, Range, check_ranges, option
 
 API_KEY = re.compile(r"[!-~]+")  # printable ASCII, no spaces: what an HTTP header carries as it was typed
 
@@ -16,34 +20,73 @@ API_KEY = re.compile(r"[!-~]+")  # printable ASCII, no spaces: what an HTTP head
 HTTP_CORES = 1
 
 
+SERVER_PANEL, LIMITS_PANEL = "Server", "Limits"
+
+
+def _server(default: Any, help: str, range: Range | None = None, **spelling: Any) -> Any:
+    return option(default, help, range, SERVER_PANEL, **spelling)
+
+
+def _limit(default: Any, help: str, range: Range) -> Any:
+    return option(default, help, range, LIMITS_PANEL)
+
+
+def _hardware(default: Any, help: str, range: Range | None = None, **spelling: Any) -> Any:
+    return option(default, help, range, HARDWARE_PANEL, **spelling)
+
+
 @dataclass
 class ServeOptions:
-    model: str | None = None  # checkpoint folder or Hub id; None: the shipped model
-    host: str = "127.0.0.1"  # loopback unless told otherwise
-    port: int = 8000  # 0: any free port (the one chosen is printed)
-    api_key: str | None = None  # when set, every /v1 route requires `Authorization: Bearer KEY`
-    webui: bool = True  # GET / answers the playground page
-    parallel: int = 32  # sequences generating at once: rows of the batched step
-    queue: int = 64  # requests waiting for a free row; past that: 503
-    max_prompt_tokens: int = 8192  # per request
-    max_tokens: int = 1024  # the most a request may ask for, and what it gets if it does not say
-    max_body_bytes: int = 1 << 20  # request bodies past this: 413
-    timeout: float = 600.0  # seconds a request may take, waiting included; past that: 504
-    read_timeout: float = 10.0  # seconds a client may stay silent while its request is read (or kept alive)
-    cache_mb: float = 64.0  # prefix-state cache (LRU); 0: off
-    sessions_dir: Path | None = None  # named sessions are saved here after every request (None: memory only)
-    max_sessions: int = 64  # named sessions held in memory (with a sessions_dir, the rest wait on disk)
-    max_session_files: int = 256  # session files kept in sessions_dir; past that the least recently used goes
-    prompt_chunk: int = 256  # prompt tokens read between two batched steps
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: int | None = None  # torch's CPU threads; None: its share of the cores, less HTTP_CORES
-    compile_step: bool = True  # the batched step compiled at start (eager where it cannot be)
+    """Everything `aftgen serve` can be told: each field is one option, declared once with its default, range
+    and help (read by the command line, check() and docs/reference.md). The integer limits' upper ends lie
+    far beyond any real use: they keep 2^64 from reaching torch or a loop."""
+
+    model: str | None = option(
+        None, "Checkpoint folder or Hub id (default: the shipped model).", flags=("--model", "-m")
+    )
+    host: str = _server("127.0.0.1", "Address to listen on (127.0.0.1: this machine only).")
+    port: int = _server(8000, "0: any free port (the one chosen is printed).", Range(0, 65535))
+    api_key: str | None = _server(
+        None, "Require 'Authorization: Bearer KEY' on every /v1 route; past that: 401.", envvar="AFTGEN_API_KEY"
+    )
+    webui: bool = _server(True, "The playground page at / (chat, completion, sampling settings, streaming).")
+    sessions_dir: Path | None = _server(None, "Save named sessions here (aftgen state files; default: memory only).")
+    cache_mb: float = _server(64.0, "Prefix-state cache size, least recently used first out (0: off).", Range(0))
+    parallel: int = _limit(32, "Sequences generating at once (rows of the batched step).", Range(1, 4096))
+    queue: int = _limit(64, "Requests waiting for a row; past that: 503 with Retry-After.", Range(0, 1 << 20))
+    max_prompt_tokens: int = _limit(
+        8192, "Prompt tokens a request may send; past that: 400 (context_length_exceeded).", Range(1, 1 << 30)
+    )
+    max_tokens: int = _limit(
+        1024, "Most tokens a request may ask for (and its default); past that: 400.", Range(1, 1 << 30)
+    )
+    max_body_bytes: int = _limit(1 << 20, "Request body size; past that: 413.", Range(1024, 1 << 34))
+    timeout: float = _limit(600.0, "Seconds a request may take, queueing included; past that: 504.", POSITIVE)
+    read_timeout: float = _limit(
+        10.0, "Seconds a client may stay silent while its request is read; then 408 or closed.", POSITIVE
+    )
+    max_sessions: int = _limit(
+        64, "Named sessions held in memory (the rest wait in --sessions-dir).", Range(1, 1 << 20)
+    )
+    max_session_files: int = _limit(
+        256, "Session files kept in --sessions-dir; past that the least recently used is removed.", Range(1, 1 << 30)
+    )
+    prompt_chunk: int = _limit(256, "Prompt tokens read between two batched steps.", Range(1, 1 << 20))
+    compile_step: bool = _hardware(
+        True,
+        "Compile the batched step at start (tens of seconds the first time, about one once cached).",
+        flags=("--compile/--no-compile",),
+    )
+    device: str = _hardware("auto", DEVICE_HELP)
+    dtype: str = _hardware("auto", DTYPE_HELP)
+    threads: int | None = _hardware(
+        None,
+        f"CPU threads (default: its share of the physical cores, less {HTTP_CORES} left to the HTTP side).",
+        Range(1),
+    )
 
     def check(self) -> None:
         """Refuse values outside their meaning, before the model is loaded."""
-        if not 0 <= self.port <= 65535:
-            raise AftgenError(f"--port must be between 0 and 65535, got {self.port}")
         if not self.host:
             raise AftgenError("--host must not be empty")
         if self.api_key is not None and not API_KEY.fullmatch(self.api_key):
@@ -51,25 +94,7 @@ class ServeOptions:
                 "--api-key (or AFTGEN_API_KEY) must be printable ASCII without spaces, as a client sends it in "
                 "'Authorization: Bearer KEY': choose one of letters, digits and punctuation"
             )
-        # (least, most): far beyond any real use, the upper ends keep 2^64 from reaching torch or a loop
-        ranges = {
-            "--parallel": (self.parallel, 1, 4096),
-            "--queue": (self.queue, 0, 1 << 20),
-            "--max-prompt-tokens": (self.max_prompt_tokens, 1, 1 << 30),
-            "--max-tokens": (self.max_tokens, 1, 1 << 30),
-            "--max-body-bytes": (self.max_body_bytes, 1024, 1 << 34),
-            "--max-sessions": (self.max_sessions, 1, 1 << 20),
-            "--max-session-files": (self.max_session_files, 1, 1 << 30),
-            "--prompt-chunk": (self.prompt_chunk, 1, 1 << 20),
-        }
-        for name, (value, least, most) in ranges.items():
-            if not least <= value <= most:
-                raise AftgenError(f"{name} must be between {least} and {most}, got {value}")
-        for name, seconds in (("--timeout", self.timeout), ("--read-timeout", self.read_timeout)):
-            if not seconds > 0:
-                raise AftgenError(f"{name} must be positive, got {seconds}")
-        if not self.cache_mb >= 0:
-            raise AftgenError(f"--cache-mb must be >= 0 (0 turns the cache off), got {self.cache_mb}")
+        check_ranges(self)
         if self.sessions_dir is not None:
             _check_sessions_dir(self.sessions_dir)
 

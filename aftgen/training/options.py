@@ -13,6 +13,7 @@ from aftgen.device import DEVICES, DTYPES
 from aftgen.errors import AftgenError
 from aftgen.mixers import MIXERS, shaping_fields
 from aftgen.model import PRESETS, AFTConfig
+from aftgen.options import flag
 from aftgen.sampling import check_seed
 from aftgen.training.recipe import EVAL_WINDOWS
 
@@ -21,7 +22,6 @@ MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "window", "context_length", "drop
 # What fine-tuning keeps from its base model; dropout, context length, batch and schedule may change.
 ARCHITECTURE = ("n_layer", "n_embd", "n_head", "window", "decay", "mixer", "activation", "vocab_size")
 OPTIMIZERS = ("adamw", "muon")
-FLAGS = {"n_layer": "--layers", "n_embd": "--width", "n_head": "--heads"}  # options named unlike their field
 # What a fresh run's recipe (recipe.py) sets unless the user gives it: chosen from the corpus, the budget
 # and the machine's speed once the corpus is read. None in TrainOptions means "not given".
 RECIPE_FIELDS = ("preset", "activation", "optimizer", "dropout", "weight_decay", "ema", "lr",
@@ -34,11 +34,6 @@ FINE_TUNE_DEFAULTS = {"lr": 1e-3, "warmup_steps": 5, "eval_interval": 50, "eval_
 FINE_TUNE_STEPS = 5000  # a fine-tuning run's budget when it is given none
 FRESH_ONLY = {"preset": "small", "vocab_size": 1024, "tokenizer_type": "bpe"}  # fine-tuning takes the base's
 MAX_BATCH_SIZE = 1 << 16  # sequences per step: more than any device holds, well before torch's sizes overflow
-
-
-def flag(name: str) -> str:
-    """The command-line spelling of an option."""
-    return FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
 @dataclass
