@@ -18,6 +18,7 @@ import click
 import typer
 
 from aftgen.corpus import CorpusOptions
+from aftgen.corpus.sources import DECODE_ERRORS
 from aftgen.device import DEVICE_HELP, DTYPE_HELP
 from aftgen.errors import AftgenError
 from aftgen.files import kind_of
@@ -52,14 +53,18 @@ HARDWARE_OPTIONS = {"device": (DeviceOption, "auto"), "dtype": (DtypeOption, "au
 CorpusArgument = Annotated[list[Path], typer.Argument(help="Text files, or folders of them (each file a document).")]
 
 
+ENCODING_HELP = "Text encoding of the input."
+ERRORS_HELP = f"{' | '.join(DECODE_ERRORS)} undecodable bytes."
+
+
 def _data(help: str | None = None, **extra):
     return typer.Option(help=help, rich_help_panel=DATA_PANEL, **extra)
 
 
 # How a corpus is read and split: `train` and `prepare` take these, with aftgen.corpus.CorpusOptions' defaults.
 CORPUS_OPTIONS = {
-    "encoding": (Annotated[str, _data("Text encoding of the corpus.")], CorpusOptions.encoding),
-    "errors": (Annotated[str, _data("strict | replace | ignore undecodable bytes.")], CorpusOptions.errors),
+    "encoding": (Annotated[str, _data(ENCODING_HELP)], CorpusOptions.encoding),
+    "errors": (Annotated[str, _data(ERRORS_HELP)], CorpusOptions.errors),
     "glob": (Annotated[str, _data("Which files in folders to read.")], CorpusOptions.glob),
     "held_out": (
         Annotated[

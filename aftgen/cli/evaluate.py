@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from aftgen.cli.common import HARDWARE_OPTIONS, command, placement, with_options
+from aftgen.cli.common import ENCODING_HELP, ERRORS_HELP, HARDWARE_OPTIONS, command, placement, with_options
+from aftgen.corpus import CorpusOptions
 
 
 @with_options(HARDWARE_OPTIONS)
@@ -20,8 +21,8 @@ def evaluate(
         int, typer.Option(help="Cut the context into independent windows of N tokens (0: one stream).")
     ] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
-    encoding: Annotated[str, typer.Option()] = "utf-8",
-    errors: Annotated[str, typer.Option()] = "strict",
+    encoding: Annotated[str, typer.Option(help=ENCODING_HELP)] = CorpusOptions.encoding,
+    errors: Annotated[str, typer.Option(help=ERRORS_HELP)] = CorpusOptions.errors,
     **hardware,
 ) -> None:
     """Held-out loss of a model on a file of any size (read in chunks): nats/token, nats/char, bits/char, bits/byte."""

@@ -10,6 +10,8 @@ from typing import Annotated
 import typer
 
 from aftgen.cli.common import (
+    ENCODING_HELP,
+    ERRORS_HELP,
     HARDWARE_OPTIONS,
     SAMPLE_PANEL,
     STATE_PANEL,
@@ -20,6 +22,7 @@ from aftgen.cli.common import (
     require_file,
     with_options,
 )
+from aftgen.corpus import CorpusOptions
 from aftgen.errors import AftgenError
 from aftgen.sampling import CONTROLS, check_seed
 from aftgen.sampling import SamplingOptions as Defaults
@@ -155,8 +158,8 @@ def prime(
     out: Annotated[Path, typer.Option("--out", "-o", help="State file to write.")],
     model: ModelOption = None,
     seed: Seed = None,
-    encoding: Annotated[str, typer.Option()] = "utf-8",
-    errors: Annotated[str, typer.Option()] = "strict",
+    encoding: Annotated[str, typer.Option(help=ENCODING_HELP)] = CorpusOptions.encoding,
+    errors: Annotated[str, typer.Option(help=ERRORS_HELP)] = CorpusOptions.errors,
     compile_prefill: Annotated[
         bool,
         typer.Option(

@@ -19,6 +19,7 @@ from aftgen.errors import AftgenError
 from aftgen.files import kind_of
 
 DEFAULT_GLOB = "*.txt"
+DECODE_ERRORS = ("strict", "replace", "ignore")  # what --errors takes: Python's ways with undecodable bytes
 BLOCK_BYTES = 1 << 22  # read 4 MiB at a time
 NUL_SHARE = 1000  # more than one NUL byte in this many means binary (or UTF-16) rather than UTF-8 text
 
@@ -69,8 +70,8 @@ def check_encoding(encoding: str, errors: str) -> None:
         codecs.lookup(encoding)
     except LookupError:
         raise AftgenError(f"unknown encoding '{encoding}'") from None
-    if errors not in ("strict", "replace", "ignore"):
-        raise AftgenError(f"--errors must be strict, replace or ignore, got '{errors}'")
+    if errors not in DECODE_ERRORS:
+        raise AftgenError(f"--errors must be {', '.join(DECODE_ERRORS[:-1])} or {DECODE_ERRORS[-1]}, got '{errors}'")
 
 
 def _blocks(path: Path, encoding: str, errors: str) -> Iterator[tuple[bytes, str]]:
