@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from aftgen.checkpoint import load_checkpoint
+from aftgen.checkpoint import CONFIG, load_checkpoint
 from aftgen.device import pick_device
 from aftgen.errors import AftgenError
 from aftgen.hub import resolve_model
@@ -33,7 +33,7 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu") -> 
     device = pick_device(device)
     if path is None:
         location = default_model_path()
-        if not (location / "config.json").exists():
+        if not (location / CONFIG).exists():
             raise AftgenError("the shipped default model is missing from this install; pass --model PATH")
         return load_checkpoint(location, device)
     return load_checkpoint(resolve_model(path), device)

@@ -14,6 +14,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from aftgen.bench.targets import TARGETS, Row
+from aftgen.training.record import TRAINING_INFO
 
 ENTRY_SEPARATOR = "\n%\n"  # fortune files: entries separated by '%' lines
 EVAL_INTERVAL = 50  # both runs check often enough for --keep-best to catch a small corpus's best
@@ -38,7 +39,7 @@ def train_for(corpus: Path, out: Path, seconds: float, init_from: str | None) ->
     changes = {"init_from": init_from} if init_from else {"keep_best": True}
     options = TrainOptions(corpus, out, max_time=seconds, max_steps=10**9, eval_interval=EVAL_INTERVAL, **changes)
     train(options, quiet=True)
-    return json.loads((out / "training.json").read_text())["final_eval"]["nats_per_char"]
+    return json.loads((out / TRAINING_INFO).read_text())["final_eval"]["nats_per_char"]
 
 
 def bench_finetune(

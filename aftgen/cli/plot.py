@@ -9,12 +9,14 @@ from typing import Annotated
 import typer
 
 from aftgen.cli.common import command
+from aftgen.curves import CURVES
+from aftgen.training.record import METRICS
 
 
 @command
 def plot(
-    runs: Annotated[list[Path], typer.Argument(help="Run folders (each with its metrics.jsonl).")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="PNG file to write.")] = Path("curves.png"),
+    runs: Annotated[list[Path], typer.Argument(help=f"Run folders (each with its {METRICS}).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="PNG file to write.")] = Path(CURVES),
 ) -> None:
     """Overlay the training curves of runs, labelled by folder: train loss, held-out nats/char, learning rate."""
     from aftgen.curves import plot_runs
