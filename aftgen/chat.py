@@ -16,7 +16,16 @@ from aftgen.model import AFTLM, StepFunction
 from aftgen.sampling import Context, SamplingOptions, generate, read_prompt
 from aftgen.tokenizer import Tokenizer, valid_text
 
-REPLY_END = "\n\n"  # a reply ends at a blank line unless told otherwise (`aftgen chat`'s and the server's)
+# The chat format, `aftgen chat`'s and the server's alike: a user's message ends in a newline, and every other
+# message, a reply included, in a blank line (a reply's default stop).
+REPLY_END = "\n\n"
+ENDINGS = {"system": REPLY_END, "developer": REPLY_END, "user": "\n", "assistant": REPLY_END}
+ROLES = tuple(ENDINGS)
+
+
+def message_text(role: str, content: str) -> str:
+    """A message as the model reads it in the chat format."""
+    return content + ENDINGS[role]
 
 
 @contextlib.contextmanager
@@ -54,7 +63,7 @@ def run_chat(
         lines_read += 1
         valid_text(line, f"stdin line {lines_read}")
         with interrupt_flag() as interrupted:
-            context = read_prompt(model, tokenizer, line + "\n", context, seed)
+            context = read_prompt(model, tokenizer, message_text("user", line), context, seed)
             seed = None
             for piece in generate(model, tokenizer, context, options, step):
                 sys.stdout.write(piece)

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from aftgen.api import load
+from aftgen.chat import ROLES
 from aftgen.device import resolve
 from aftgen.sampling import CONTROLS, GREEDY_BELOW, Control, SamplingOptions
 from aftgen.serve.app import Server
-from aftgen.serve.conversation import ROLES
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.schema import IGNORED, NEUTRAL, sampling_fields

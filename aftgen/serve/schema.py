@@ -12,8 +12,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from aftgen.chat import REPLY_END, ROLES, message_text
 from aftgen.sampling import CONTROLS, SEEDS, Range, SamplingOptions
-from aftgen.serve.conversation import REPLY_END, ROLES, chat_ids, message_text
+from aftgen.serve.conversation import chat_ids
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.sessions import valid_name
 from aftgen.serve.work import Work
