@@ -112,6 +112,9 @@ CONTROLS: dict[str, Control] = {
     ),
     "repeat_last_n": Control(64, Range(0, MAX_REPEAT_LAST_N), "How many recent tokens the penalty covers."),
 }
+# Where the HTTP API's default differs from the command line's: the server speaks OpenAI's API, whose clients
+# expect OpenAI's defaults (temperature 1), while `aftgen sample` and `chat` keep llama.cpp's (0.8).
+API_DEFAULTS = {"temperature": 1.0}
 
 
 def check_seed(seed: int | None) -> None:
@@ -120,48 +123,33 @@ def check_seed(seed: int | None) -> None:
         raise AftgenError(f"--seed must be {SEEDS}, got {seed}")
 
 
-@dataclass(init=False)
+@dataclass
 class SamplingOptions:
     """How to pick tokens (llama.cpp / transformers names and meanings), and how many continuations.
 
-    Each control in CONTROLS is a keyword and an attribute (`options.top_p`), its default the control's.
+    Each control in CONTROLS is a field of the same name, type and default (tests/test_sampling.py holds
+    the two together): a control added to CONTROLS gets its field here too.
     """
 
     max_new_tokens: int = 200  # -1: until stopped
     seed: int | None = None
     stop: tuple[str, ...] = ()
     num_samples: int = 1  # continuations of one prompt
-    controls: dict[str, float] = field(default_factory=dict)  # every control's value, by name
-
-    def __init__(
-        self,
-        max_new_tokens: int = 200,
-        seed: int | None = None,
-        stop: tuple[str, ...] = (),
-        num_samples: int = 1,
-        **controls: float,
-    ) -> None:
-        unknown = sorted(set(controls) - set(CONTROLS))
-        if unknown:
-            raise TypeError(f"SamplingOptions() got an unexpected keyword argument '{unknown[0]}'")
-        self.max_new_tokens, self.seed, self.stop, self.num_samples = max_new_tokens, seed, stop, num_samples
-        self.controls = {name: controls.get(name, control.default) for name, control in CONTROLS.items()}
-
-    def __getattr__(self, name: str) -> float:
-        """A control's value (only names that are not attributes get here)."""
-        try:
-            return self.__dict__["controls"][name]
-        except KeyError:
-            raise AttributeError(name) from None
+    temperature: float = CONTROLS["temperature"].default
+    top_k: int = CONTROLS["top_k"].default
+    top_p: float = CONTROLS["top_p"].default
+    min_p: float = CONTROLS["min_p"].default
+    repeat_penalty: float = CONTROLS["repeat_penalty"].default
+    repeat_last_n: int = CONTROLS["repeat_last_n"].default
 
     def check(self) -> None:
         """Refuse values outside their meaning, before any work."""
         if self.max_new_tokens < -1:
             raise AftgenError(f"--max-new-tokens must be -1 (no limit) or >= 0, got {self.max_new_tokens}")
         check_seed(self.seed)
-        for name, value in self.controls.items():
-            if value not in CONTROLS[name].range:
-                raise AftgenError(f"{flag(name)} must be {CONTROLS[name].range}, got {value}")
+        for name, control in CONTROLS.items():
+            if getattr(self, name) not in control.range:
+                raise AftgenError(f"{flag(name)} must be {control.range}, got {getattr(self, name)}")
         if self.num_samples < 1:
             raise AftgenError(f"--num-samples must be >= 1, got {self.num_samples}")
         if any(not s for s in self.stop):
@@ -187,14 +175,14 @@ def _filtered(
     neutral value is skipped."""
     for name in names:
         control = CONTROLS[name]
-        values = [row.controls[name] for row in rows]
+        values = [getattr(row, name) for row in rows]
         if control.filter is None or (control.neutral is not None and all(v == control.neutral for v in values)):
             continue
         column = torch.tensor([[float(value)] for value in values], device=logits.device)
         if control.history is None:
             logits = control.filter(logits, column)
         else:
-            lengths = [int(row.controls[control.history]) for row in rows]
+            lengths = [int(getattr(row, control.history)) for row in rows]
             logits = control.filter(logits, column, recent_tokens(history, lengths, logits.shape[-1], logits.device))
     return logits
 

@@ -1,8 +1,10 @@
-"""A sampling control is one entry in aftgen.sampling.CONTROLS: one added at run time is an option of
-`aftgen sample` and `aftgen chat`, a field the server checks against its range, and a setting the
+"""A sampling control is one entry in aftgen.sampling.CONTROLS and its field in SamplingOptions: with them, it is
+an option of `aftgen sample` and `aftgen chat`, a field the server checks against its range, and a setting the
 engine draws beside other rows, each row with its own value."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -12,8 +14,10 @@ from typer.testing import CliRunner
 
 from aftgen.api import load
 from aftgen.cli import app
+from aftgen.cli import generate as generate_cli
 from aftgen.device import resolve
 from aftgen.sampling import CONTROLS, Control, Range, SamplingOptions
+from aftgen.serve import schema
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.work import Done, Work
@@ -21,10 +25,16 @@ from aftgen.serve.work import Done, Work
 runner = CliRunner()
 
 
+@dataclasses.dataclass
+class SpreadOptions(SamplingOptions):
+    spread: float = 1.0
+
+
 @pytest.fixture
 def spread(monkeypatch) -> list[tuple[float, ...]]:
-    """A test-only control `spread` in [0.5, 4], added as a real one is: its filter divides the logits by
-    each row's value and records the values (one per row) of every call. Removed again after the test."""
+    """A test-only control `spread` in [0.5, 4], added as a real one is (its entry in CONTROLS, its field in
+    SamplingOptions, here a subclass put where options are made): its filter divides the logits by each row's
+    value and records the values (one per row) of every call. Removed again after the test."""
     seen: list[tuple[float, ...]] = []
 
     def divide(logits: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -32,6 +42,8 @@ def spread(monkeypatch) -> list[tuple[float, ...]]:
         return logits / values
 
     monkeypatch.setitem(CONTROLS, "spread", Control(1.0, Range(0.5, 4), "Test only: flatten the odds.", divide))
+    monkeypatch.setattr(generate_cli, "Defaults", SpreadOptions)
+    monkeypatch.setattr(schema, "SamplingOptions", SpreadOptions)
     return seen
 
 
@@ -70,7 +82,7 @@ def test_rows_that_differ_in_a_new_control_are_drawn_together_each_with_its_own_
     def run(*values: float) -> list[tuple[float, ...]]:
         spread.clear()
         for value in values:
-            options = SamplingOptions(max_new_tokens=3, temperature=1.0, seed=1, spread=value)
+            options = SpreadOptions(max_new_tokens=3, temperature=1.0, seed=1, spread=value)
             engine.submit(Work(tokenizer.encode("KING:"), options))
         while sum(isinstance(event, Done) for _, event in events) < len(values):
             engine.turn()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import random
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,21 @@ def penalised(logits: torch.Tensor, history: torch.Tensor, penalty: float, last_
     rows, vocab = logits.shape
     recent = recent_tokens(history, [last_n] * rows, vocab, logits.device)
     return apply_repeat_penalty(logits, torch.full((rows, 1), penalty), recent)
+
+
+def test_each_control_is_a_typed_field_of_sampling_options_with_its_default():
+    """SamplingOptions' fields for the controls are CONTROLS, name for name, with the same type and default,
+    and the HTTP API's own defaults name controls (a new control needs both its entry and its field)."""
+    fields = {f.name: f for f in dataclasses.fields(SamplingOptions)}
+    controls = [name for name in fields if name not in ("max_new_tokens", "seed", "stop", "num_samples")]
+    assert controls == list(sampling.CONTROLS)
+    hints = typing.get_type_hints(SamplingOptions)
+    for name, control in sampling.CONTROLS.items():
+        assert fields[name].default == control.default and hints[name] is control.type, name
+        assert getattr(SamplingOptions(), name) == control.default
+    assert set(sampling.API_DEFAULTS) <= set(sampling.CONTROLS)
+    with pytest.raises(TypeError):
+        SamplingOptions(top_q=0.5)
 
 
 def test_top_k_keeps_exactly_k_even_with_ties():

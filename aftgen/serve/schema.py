@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aftgen.chat import REPLY_END, ROLES, message_text
-from aftgen.sampling import CONTROLS, SEEDS, Range, SamplingOptions
+from aftgen.sampling import API_DEFAULTS, CONTROLS, SEEDS, Range, SamplingOptions
 from aftgen.serve.conversation import chat_ids
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.sessions import valid_name
@@ -265,7 +265,7 @@ def parse_request(body: dict, chat: bool, options: ServeOptions, tokenizer: Toke
         max_new_tokens=values.get("max_tokens", values.get("max_completion_tokens", options.max_tokens)),
         seed=values.get("seed"),
         stop=values.get("stop", (REPLY_END,) if chat else ()),
-        **{"temperature": 1.0} | given,  # OpenAI's default temperature
+        **API_DEFAULTS | given,
     )
     work = Work(ids, sampling, values.get("n", 1), values.get("session"), REPLY_END if chat else None)
     return Request(work, chat, values.get("stream", False), values.get("stream_options", False))
