@@ -12,6 +12,8 @@ import httpx
 import pytest
 from test_serve import KEY, busy_slots, client, running, wait_for
 
+from aftgen.sampling import API_DEFAULTS, CONTROLS, SamplingOptions
+
 CHROMIUM = "/usr/bin/chromium"
 # Nothing but the page under test: no sandbox (root in CI), no GPU, no background traffic of the browser's own.
 FLAGS = [
@@ -23,7 +25,6 @@ FLAGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-SAMPLING = {"temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}
 
 if not os.path.exists(CHROMIUM) and not os.environ.get("AFTGEN_REQUIRE_BROWSER"):  # .ci/run installs it and sets this
     pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)", allow_module_level=True)
@@ -120,7 +121,40 @@ def test_text_streams_in_and_the_page_asks_nothing_of_anyone_but_the_server(play
     figures = page.text_content(".reply .figures")
     assert figures.startswith("300 tokens · ") and "tokens/s" in figures and "cached prompt tokens" in figures
     assert playground.requests and all(r.url.startswith(f"{open_url}/") for r in playground.requests)
-    assert {r.url.removeprefix(open_url) for r in playground.requests} == {"/", "/v1/models", "/v1/completions"}
+    assert {r.url.removeprefix(open_url) for r in playground.requests} == {
+        "/",
+        "/controls",
+        "/v1/models",
+        "/v1/completions",
+    }
+
+
+def test_the_page_has_every_control_with_the_servers_default_and_range(playground, open_url):
+    """The inputs are made from GET /controls: every control of CONTROLS (repeat_last_n included), max_tokens and
+    seed, each starting at the command line's default, bounded by its declared range, and sent as typed."""
+    described = httpx.get(f"{open_url}/controls", timeout=10).json()["controls"]
+    assert [c["name"] for c in described] == [*CONTROLS, "max_tokens", "seed"]
+    page = playground.page
+    page.wait_for_selector("#repeat_last_n")
+    inputs = page.evaluate(
+        "() => [...document.querySelectorAll('#controls input')].map(i => [i.id, i.value, i.min, i.max])"
+    )
+    numbers = {name: float(value) if value else None for name, value, _, _ in inputs}
+    assert numbers == {name: control.default for name, control in CONTROLS.items()} | {
+        "max_tokens": SamplingOptions.max_new_tokens,
+        "seed": None,
+    }
+    for (name, _, low, high), control in zip(inputs, described, strict=True):
+        assert name == control["name"] and float(low) == control["low"], name
+        assert (float(high) if high else None) == (control["high"] and float(control["high"])), name  # JS numbers
+    assert described[0]["name"] == "temperature" and described[0]["request_default"] == API_DEFAULTS["temperature"]
+    playground.page.click("#tab-completion")
+    playground.settings(repeat_last_n=8, max_tokens=5)
+    playground.send("KING:")
+    playground.reply()
+    (sent,) = playground.generations()
+    body = json.loads(sent.post_data)
+    assert body["repeat_last_n"] == 8 and body["max_tokens"] == 5 and "seed" not in body
 
 
 def test_stop_cancels_the_stream_and_the_server_frees_its_row(playground, open_url):
@@ -142,7 +176,7 @@ def test_temperature_and_seed_give_the_text_the_api_gives(playground, open_url):
     (sent,) = playground.generations()
     body = json.loads(sent.post_data)
     assert body["prompt"] == "KING:" and body["temperature"] == 0.7 and body["seed"] == 1234
-    sampling = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}  # the page's other settings, at their defaults
+    sampling = {"top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0, "repeat_last_n": 64}  # the page's other settings
     api = client(open_url).completions.create(
         model="tiny", prompt="KING:", max_tokens=40, temperature=0.7, top_p=1.0, seed=1234, extra_body=sampling
     )

@@ -1,7 +1,7 @@
 """The HTTP side: OpenAI's routes on Starlette, over the engine's thread.
 
-GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, and GET / (the playground
-page, unless --no-webui). Every error, ours or
+GET /health, GET /controls (the sampling fields' ranges and defaults), GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions, and GET / (the playground page, unless --no-webui). Every error, ours or
 Starlette's (404, 405), is answered in OpenAI's shape. Streams are server-sent events in OpenAI's
 chunk format, ending with `data: [DONE]`; a client that goes away stops its generation at once.
 """
@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from aftgen.serve.engine import Busy, Engine
 from aftgen.serve.replies import Reply
-from aftgen.serve.schema import APIError, parse_request
+from aftgen.serve.schema import APIError, controls_body, parse_request
 from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket
 
 # The page may talk to this server only: its own inline script and style, nothing fetched from elsewhere.
@@ -79,6 +79,7 @@ class Server:
     def app(self) -> Starlette:
         routes = [
             Route("/health", self.health),
+            Route("/controls", self.controls),
             Route("/v1/models", self.models),
             Route("/v1/models/{model:path}", self.model),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -137,6 +138,10 @@ class Server:
         except APIError:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ok", "model": self.model_name} | self.engine.stats())
+
+    async def controls(self, request: Request) -> JSONResponse:
+        """The sampling fields' types, ranges and defaults, for anyone (the playground reads them before its key)."""
+        return JSONResponse(controls_body(self.options))
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "aftgen"}

@@ -124,18 +124,69 @@ NEUTRAL = {
 IGNORED = ("user", "metadata", "service_tier", "parallel_tool_calls")  # no effect on what is generated
 
 
+@dataclass(frozen=True)
+class NumericField:
+    """A number a request may give to say how tokens are drawn: its range, defaults and help."""
+
+    integer: bool
+    range: Range
+    default: float | None  # the command line's (`aftgen sample`), which the playground starts from
+    request_default: float | None  # what a request that leaves the field out gets
+    help: str
+
+    def check(self) -> Callable[[str, object], float]:
+        return (integer if self.integer else number)(self.range)
+
+
+def numeric_fields(options: ServeOptions) -> dict[str, NumericField]:
+    """The controls of CONTROLS, then max_tokens (up to this server's limit) and seed: what GET /controls
+    describes to the playground, and what a request's values are checked against."""
+    controls = {
+        name: NumericField(
+            control.type is int, control.range, control.default, API_DEFAULTS.get(name, control.default), control.help
+        )
+        for name, control in CONTROLS.items()
+    }
+    most = options.max_tokens
+    length = min(SamplingOptions.max_new_tokens, most)
+    return controls | {
+        "max_tokens": NumericField(True, Range(0, most), length, most, "Most tokens of the reply."),
+        "seed": NumericField(True, SEEDS, None, None, "Random seed (none: a random one)."),
+    }
+
+
 def sampling_fields(options: ServeOptions) -> dict[str, Callable[[str, object], object]]:
     """Fields both routes take, with the server's limits."""
-    return {
+    numeric = {name: field.check() for name, field in numeric_fields(options).items()}
+    return numeric | {
         "model": text,
-        "max_tokens": integer(Range(0, options.max_tokens)),
         "n": integer(Range(1, options.parallel)),
         "stream": boolean,
         "stream_options": stream_options,
         "stop": stops,
-        "seed": integer(SEEDS),
-        **{name: (integer if control.type is int else number)(control.range) for name, control in CONTROLS.items()},
         "session": session_name,
+    }
+
+
+def controls_body(options: ServeOptions) -> dict:
+    """GET /controls: each numeric field with its type, range (`high` null: none; each end open or closed) and
+    defaults, so that the playground retypes none of them."""
+    return {
+        "controls": [
+            {
+                "name": name,
+                "type": "integer" if field.integer else "number",
+                "help": field.help,
+                "default": field.default,
+                "request_default": field.request_default,
+                "allowed": str(field.range),
+                "low": field.range.low,
+                "high": field.range.high,
+                "open_low": field.range.open_low,
+                "open_high": field.range.open_high,
+            }  # fmt: skip
+            for name, field in numeric_fields(options).items()
+        ]
     }
 
 
