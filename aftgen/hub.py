@@ -1,4 +1,5 @@
-"""The Hugging Face Hub: pull checkpoints into the standard HF cache, push runs with a model card.
+"""The Hugging Face Hub, read side: a --model value resolved to a checkpoint folder, pulled into the standard HF
+cache. Publishing a run (`aftgen push`) is aftgen.publish, a layer above: this module imports no training code.
 
 Everything goes through huggingface_hub, so its settings apply unchanged: HF_HOME / HF_HUB_CACHE
 (where the cache is), HF_ENDPOINT (which Hub), HF_TOKEN (who you are) and HF_HUB_OFFLINE (no network:
@@ -12,20 +13,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from aftgen.card import run_card
-from aftgen.checkpoint import CARD, CHECKPOINT_FILES, check_checkpoint, load_checkpoint
-from aftgen.corpus import read_text
-from aftgen.curves import CURVES
+from aftgen.checkpoint import CARD, CHECKPOINT_FILES, check_checkpoint
 from aftgen.errors import AftgenError
-from aftgen.model import AFTLM
-from aftgen.tokenizer import Tokenizer
-from aftgen.training.record import METRICS, TRAINING_INFO
-from aftgen.training.state_file import TRAINING_STATE
 
 PULLED_FILES = [*CHECKPOINT_FILES, CARD]
 # OWNER/NAME with an optional @REVISION (branch, tag or commit), as the Hub spells repo ids.
 HUB_ID = re.compile(r"(?P<repo_id>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[^@\s]+))?")
-CARD_SAMPLE_TOKENS = 80
 
 
 def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
@@ -61,56 +54,6 @@ def pull(repo_id: str, revision: str | None = None) -> Path:
     except AftgenError as exc:  # name the repo, not the cache folder it landed in
         raise AftgenError(str(exc).replace(str(folder), name)) from None
     return folder
-
-
-def push(
-    run_dir: str | Path,
-    repo_id: str,
-    private: bool = False,
-    revision: str | None = None,
-    include_training_state: bool = False,
-) -> str:
-    """Upload a run's checkpoint and a fresh model card (with a sample) to the Hub; returns the commit URL.
-
-    The repo is created if needed; `revision` names a branch, created from main if it does not exist.
-    A folder with a README.md but no training.json (a curated checkpoint) keeps its own card.
-    Optimiser state (training_state.safetensors, training.json) stays local unless include_training_state.
-    """
-    from huggingface_hub import CommitOperationAdd, HfApi
-
-    run_dir = Path(run_dir)
-    model, tokenizer = load_checkpoint(run_dir)  # only a complete, valid checkpoint is worth sharing
-    if (run_dir / CARD).is_file() and not (run_dir / TRAINING_INFO).is_file():
-        card = read_text(run_dir / CARD)  # a curated checkpoint (models/...): its own card
-    else:
-        card = run_card(run_dir, model.config, _card_sample(model, tokenizer))
-    files = [*CHECKPOINT_FILES, *(name for name in (METRICS, CURVES) if (run_dir / name).is_file())]
-    if include_training_state:
-        missing = [name for name in (TRAINING_STATE, TRAINING_INFO) if not (run_dir / name).is_file()]
-        if missing:
-            raise AftgenError(f"{run_dir}: no training state to include (missing {', '.join(missing)})")
-        files += [TRAINING_STATE, TRAINING_INFO]
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(run_dir / name)) for name in files]
-    operations.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
-
-    api = HfApi()
-    with hub_errors(repo_id, revision, writing=True):
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        if revision:
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-        commit = api.create_commit(
-            repo_id, operations, commit_message=f"Upload aftgen model from {run_dir.name}", revision=revision
-        )
-    return commit.commit_url
-
-
-def _card_sample(model: AFTLM, tokenizer: Tokenizer) -> str:
-    """A short seeded continuation of nothing, so the card shows what the model writes."""
-    from aftgen.sampling import SamplingOptions, read_prompt, sample_text
-
-    context = read_prompt(model, tokenizer, "", seed=0)
-    (pieces,) = sample_text(model, tokenizer, context, SamplingOptions(max_new_tokens=CARD_SAMPLE_TOKENS, seed=0))
-    return "".join(pieces).strip()
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""`aftgen pull` and `aftgen push`: checkpoints to and from the Hugging Face Hub."""
+"""`aftgen pull` and `aftgen push`: checkpoints to and from the Hugging Face Hub (aftgen.hub, aftgen.publish)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,6 @@ def push(
     ] = False,
 ) -> None:
     """Upload a checkpoint and a generated model card to the Hub; prints the commit URL on stdout."""
-    from aftgen.hub import push as push_checkpoint
+    from aftgen.publish import push as push_checkpoint
 
     print(push_checkpoint(run_dir, repo_id, private, revision, include_training_state))

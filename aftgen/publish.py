@@ -1,0 +1,70 @@
+"""Publishing a run on the Hugging Face Hub (`aftgen push`): its checkpoint and a fresh model card with a sample.
+
+Through huggingface_hub, with its settings (HF_ENDPOINT, HF_TOKEN; see aftgen.hub, which resolves --model).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aftgen.card import run_card
+from aftgen.checkpoint import CARD, CHECKPOINT_FILES, load_checkpoint
+from aftgen.corpus import read_text
+from aftgen.curves import CURVES
+from aftgen.errors import AftgenError
+from aftgen.hub import hub_errors
+from aftgen.model import AFTLM
+from aftgen.sampling import SamplingOptions, read_prompt, sample_text
+from aftgen.tokenizer import Tokenizer
+from aftgen.training.record import METRICS, TRAINING_INFO
+from aftgen.training.state_file import TRAINING_STATE
+
+CARD_SAMPLE_TOKENS = 80
+
+
+def push(
+    run_dir: str | Path,
+    repo_id: str,
+    private: bool = False,
+    revision: str | None = None,
+    include_training_state: bool = False,
+) -> str:
+    """Upload a run's checkpoint and a fresh model card (with a sample) to the Hub; returns the commit URL.
+
+    The repo is created if needed; `revision` names a branch, created from main if it does not exist.
+    A folder with a README.md but no training.json (a curated checkpoint) keeps its own card.
+    Optimiser state (training_state.safetensors, training.json) stays local unless include_training_state.
+    """
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    run_dir = Path(run_dir)
+    model, tokenizer = load_checkpoint(run_dir)  # only a complete, valid checkpoint is worth sharing
+    if (run_dir / CARD).is_file() and not (run_dir / TRAINING_INFO).is_file():
+        card = read_text(run_dir / CARD)  # a curated checkpoint (models/...): its own card
+    else:
+        card = run_card(run_dir, model.config, _card_sample(model, tokenizer))
+    files = [*CHECKPOINT_FILES, *(name for name in (METRICS, CURVES) if (run_dir / name).is_file())]
+    if include_training_state:
+        missing = [name for name in (TRAINING_STATE, TRAINING_INFO) if not (run_dir / name).is_file()]
+        if missing:
+            raise AftgenError(f"{run_dir}: no training state to include (missing {', '.join(missing)})")
+        files += [TRAINING_STATE, TRAINING_INFO]
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(run_dir / name)) for name in files]
+    operations.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
+
+    api = HfApi()
+    with hub_errors(repo_id, revision, writing=True):
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        commit = api.create_commit(
+            repo_id, operations, commit_message=f"Upload aftgen model from {run_dir.name}", revision=revision
+        )
+    return commit.commit_url
+
+
+def _card_sample(model: AFTLM, tokenizer: Tokenizer) -> str:
+    """A short seeded continuation of nothing, so the card shows what the model writes."""
+    context = read_prompt(model, tokenizer, "", seed=0)
+    (pieces,) = sample_text(model, tokenizer, context, SamplingOptions(max_new_tokens=CARD_SAMPLE_TOKENS, seed=0))
+    return "".join(pieces).strip()
