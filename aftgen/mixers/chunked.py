@@ -14,19 +14,31 @@ n' is time (n' - 1) C + j and block 0 holds the history before the sequence (zer
 none). In this layout every matmul above is one strided bmm over all chunks and sequences at once
 (batch = heads), with no permute between them.
 
+On CUDA, aft_chunked runs the same form as two fused Triton kernels instead (fused.py; KERNEL_VARIABLE).
+
 Letters: B batch, T time, H heads, D channels per head, s window, C chunk length, N chunks.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from aftgen.errors import AftgenError
+
 EMPTY_KEY = -1e4  # the key of a token that weighs nothing: exp(EMPTY_KEY - m) == 0 for any m in range
 MATRICES = ("current", "previous", "into", "entry", "carry")
+# Which form aft_chunked runs: "auto" the fused Triton kernels (fused.py) on CUDA where Triton is installed
+# and this PyTorch form elsewhere, "triton" or "torch" one of them wherever the kernels apply.
+KERNEL_VARIABLE = "AFTGEN_MIXER_KERNEL"
+KERNEL_CHOICES = ("auto", "triton", "torch")
+KERNEL_MAX_CHUNK = 64  # the kernels hold two C x C weight matrices in registers; longer windows stay here
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 @dataclass
@@ -218,13 +230,27 @@ def chunk_length(chunk: int, window: int) -> int:
     return max(chunk, window, 1)
 
 
+def use_kernel(device: torch.device, C: int) -> bool:
+    """Whether aft_chunked runs the fused Triton kernels for chunks of C on `device` (KERNEL_VARIABLE says)."""
+    choice = os.environ.get(KERNEL_VARIABLE, "auto")
+    if choice not in KERNEL_CHOICES:
+        raise AftgenError(f"{KERNEL_VARIABLE}={choice!r}: choose one of {', '.join(KERNEL_CHOICES)}")
+    if choice == "torch" or C > KERNEL_MAX_CHUNK:
+        return False
+    return choice == "triton" or (device.type == "cuda" and TRITON_INSTALLED)
+
+
 def aft_chunked(q, k, v, w: torch.Tensor, decay: torch.Tensor, chunk: int = 32) -> torch.Tensor:
     """y (B, T, H, D) of a sequence read from nothing; q, k, v (B, T, H, D), k and w already soft-capped.
 
-    The training path: gradients run through ChunkedAFT's hand-written backward.
+    The training path: gradients run through ChunkedAFT's hand-written backward, or the fused kernels'.
     """
     T = k.shape[1]
     C = chunk_length(chunk, w.shape[1])
+    if use_kernel(q.device, C):
+        from aftgen.mixers.fused import aft_fused  # imports Triton: only where the kernels run
+
+        return aft_fused(q, k, v, w, decay, C)
     q, k, v = _pad_to_chunks(q, k, v, C)
     mats = block_weights(w, decay, C, k.shape[1] // C, history=False)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w, decay)):
