@@ -8,7 +8,7 @@ Files that the repo's .gitattributes routes to Git LFS take the Hub's LFS path: 
 client asks the LFS batch API where to put the content, PUTs it to a storage server on another port (the
 Hub's S3), verifies it, and names it by sha256 in an `lfsFile` commit line; downloading one, /resolve answers
 302 to that storage with X-Linked-Etag (the sha256) and X-Linked-Size. Other files travel base64-encoded
-inside the NDJSON commit. The storage being another origin matters: huggingface_hub stops its HEAD at a
+inside the NDJSON commit. The storage being another host matters: huggingface_hub stops its HEAD at a
 redirect off the Hub, reads the file's metadata from the 302, and sends no token to the storage.
 
 huggingface_hub uploads LFS files through Xet storage when hf_xet is installed; this fake does not speak
@@ -91,8 +91,9 @@ class FakeHub:
 
     @property
     def storage_url(self) -> str:
-        """Where LFS content is uploaded and downloaded: another origin, like the Hub's S3 / CDN."""
-        return _server_url(self._servers[1])
+        """Where LFS content is uploaded and downloaded: another host, like the Hub's S3 / CDN (`localhost`, not
+        127.0.0.1: huggingface_hub before 2.4 tells a redirect off the Hub by its host name alone, not its port)."""
+        return _server_url(self._servers[1]).replace("127.0.0.1", "localhost")
 
     def __enter__(self) -> FakeHub:
         for thread in self._threads:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -10,7 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 from fake_hub import STORAGE_PREFIX, FakeHub, sha256
+from packaging.requirements import Requirement
+from packaging.version import Version
 from typer.testing import CliRunner
 
 from aftgen.checkpoint import CHECKPOINT_FILES
@@ -18,6 +22,7 @@ from aftgen.cli import app
 from aftgen.errors import AftgenError
 from aftgen.hub import parse_hub_id, resolve_model
 
+ROOT = Path(__file__).parent.parent
 TOKEN = "hf_test_token"
 SAMPLE = ["-p", "KING:", "-n", "30", "--seed", "3"]
 
@@ -48,9 +53,11 @@ print(json.dumps([[r.exit_code, r.stdout, r.stderr] for r in done]))
 """
 
 
-def aftgen_session(env: dict[str, str], *commands: list[str]) -> list[subprocess.CompletedProcess]:
+def aftgen_session(
+    env: dict[str, str], *commands: list[str], python: str | Path = sys.executable
+) -> list[subprocess.CompletedProcess]:
     ran = subprocess.run(
-        [sys.executable, "-c", SESSION, json.dumps(commands)], capture_output=True, text=True, env=env, timeout=300
+        [python, "-c", SESSION, json.dumps(commands)], capture_output=True, text=True, env=env, timeout=300
     )
     assert ran.returncode == 0, ran.stderr
     return [
@@ -196,6 +203,66 @@ def test_pull_fetches_only_the_checkpoint_and_its_card(hub, tmp_path, tiny_run, 
     assert fetched_from_storage == storage_paths(wanted["model.safetensors"], wanted["tokenizer.model"])
     assert by_id.returncode == 0, by_id.stderr
     assert by_id.stdout == local_sample
+
+
+# Taken from this environment rather than at its floor: torch's oldest admitted wheel on PyPI is a CUDA build of
+# gigabytes (the CPU builds come from PyTorch's own index).
+KEPT_FROM_THE_ENVIRONMENT = "torch"
+
+
+def floor_versions() -> list[str]:
+    """pyproject.toml's dependencies pinned to their lowest admitted versions ('name==floor')."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11 reads TOML")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    pins = []
+    for line in project["dependencies"]:
+        requirement = Requirement(line)
+        if requirement.name != KEPT_FROM_THE_ENVIRONMENT:
+            (floor,) = [spec.version for spec in requirement.specifier if spec.operator == ">="]
+            pins.append(f"{requirement.name}=={floor}")
+    return pins
+
+
+def floor_environment(folder: Path, pins: list[str]) -> Path:
+    """A fresh virtual environment holding `pins` as pip resolves them, and this environment's torch (with what
+    it needs); returns its python. aftgen runs from this source tree (PYTHONPATH)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=120)
+    python = folder / "bin" / "python"
+    torch_needs = [need for need in importlib.metadata.requires(KEPT_FROM_THE_ENVIRONMENT) if "extra ==" not in need]
+    command = [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", *pins, *torch_needs]
+    installed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    links = folder / "kept"  # torch's own folders alone, seen through a .pth file
+    links.mkdir()
+    for top in {file.parts[0] for file in importlib.metadata.distribution(KEPT_FROM_THE_ENVIRONMENT).files}:
+        if top != "..":
+            (links / top).symlink_to(Path(importlib.metadata.distribution("torch").locate_file(top)))
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    (Path(site) / "kept.pth").write_text(f"{links}\n")
+    return python
+
+
+def test_the_dependency_floors_in_pyproject_work(tmp_path, tiny_run, local_sample):
+    """A fresh environment with the lowest versions pyproject.toml admits: every command's --help, and push, pull,
+    sample by Hub id and a Hub error against the fake Hub, as with the newest versions."""
+    pins = floor_versions()
+    python = floor_environment(tmp_path / "floors", pins)
+    floor = dict(pin.split("==") for pin in pins)
+    probe = "import importlib.metadata as m, json, sys; print(json.dumps([m.version(n) for n in sys.argv[1:]]))"
+    ran = subprocess.run([python, "-c", probe, *floor], capture_output=True, text=True, check=True)
+    assert [Version(found) for found in json.loads(ran.stdout)] == [Version(v) for v in floor.values()]
+    with FakeHub(token=TOKEN) as server:
+        env = hub_env(server, tmp_path / "hf", PYTHONPATH=str(ROOT))
+        commands = [[name, "--help"] for name in typer.main.get_command(app).commands]
+        commands += [["push", str(tiny_run), "carol/tiny"], ["pull", "carol/tiny"], ["pull", "carol/nope"]]
+        commands.append(["sample", "--model", "carol/tiny", *SAMPLE])
+        *helps, pushed, pulled, missing, by_id = aftgen_session(env, *commands, python=python)
+    assert all(done.returncode == 0 and "Usage" in done.stdout for done in helps), [d.stderr for d in helps]
+    assert pushed.returncode == 0, pushed.stderr
+    assert pulled.returncode == 0 and (Path(pulled.stdout.strip()) / "config.json").is_file(), pulled.stderr
+    assert_one_line_error(missing, "carol/nope: no such model repository")
+    assert by_id.returncode == 0 and by_id.stdout == local_sample, by_id.stderr
 
 
 ERRORS = {
