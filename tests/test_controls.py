@@ -5,6 +5,7 @@ engine draws beside other rows, each row with its own value."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from aftgen.sampling import CONTROLS, Control, Range, SamplingOptions
 from aftgen.serve import schema
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
+from aftgen.serve.schema import controls_table
 from aftgen.serve.work import Done, Work
 
 runner = CliRunner()
@@ -91,3 +93,10 @@ def test_rows_that_differ_in_a_new_control_are_drawn_together_each_with_its_own_
 
     assert set(run(2.0, 2.0)) == {(2.0, 2.0)}
     assert set(run(0.5, 2.0)) == {(0.5, 2.0)}
+
+
+def test_the_reference_shows_the_controls_as_declared():
+    """docs/reference.md's table of controls is made from CONTROLS, API_DEFAULTS and the schema, not retyped."""
+    reference = (Path(__file__).parent.parent / "docs" / "reference.md").read_text(encoding="utf-8")
+    table = controls_table(ServeOptions())
+    assert table in reference, "docs/reference.md's table of controls is not the declaration's:\n" + table

@@ -150,7 +150,13 @@ def numeric_fields(options: ServeOptions) -> dict[str, NumericField]:
     most = options.max_tokens
     length = min(SamplingOptions.max_new_tokens, most)
     return controls | {
-        "max_tokens": NumericField(True, Range(0, most), length, most, "Most tokens of the reply."),
+        "max_tokens": NumericField(
+            True,
+            Range(0, most),
+            length,
+            most,
+            "Tokens of the reply at most (`aftgen sample -n`, -1: no limit; the server: its --max-tokens at most).",
+        ),
         "seed": NumericField(True, SEEDS, None, None, "Random seed (none: a random one)."),
     }
 
@@ -188,6 +194,15 @@ def controls_body(options: ServeOptions) -> dict:
             for name, field in numeric_fields(options).items()
         ]
     }
+
+
+def controls_table(options: ServeOptions) -> str:
+    """The numeric fields as docs/reference.md shows them, in Markdown: what /controls says, for people."""
+    rows = ["| control | `aftgen sample` | HTTP API | allowed | meaning |", "|---|---|---|---|---|"]
+    for name, field in numeric_fields(options).items():
+        defaults = ["none" if value is None else f"{value:g}" for value in (field.default, field.request_default)]
+        rows.append(f"| `{name}` | {defaults[0]} | {defaults[1]} | {field.range} | {field.help} |")
+    return "\n".join(rows) + "\n"
 
 
 def checked_fields(body: dict, fields: dict[str, Callable[[str, object], object]]) -> dict:
