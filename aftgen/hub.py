@@ -16,6 +16,7 @@ from pathlib import Path
 from aftgen.checkpoint import CARD, CHECKPOINT_FILES, check_checkpoint
 from aftgen.errors import AftgenError
 
+MODEL_HELP = "Checkpoint folder or Hub id (default: the shipped model)."  # what --model takes, in every command
 PULLED_FILES = [*CHECKPOINT_FILES, CARD]
 # OWNER/NAME with an optional @REVISION (branch, tag or commit), as the Hub spells repo ids.
 HUB_ID = re.compile(r"(?P<repo_id>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[^@\s]+))?")

@@ -22,6 +22,7 @@ from aftgen.corpus.sources import DECODE_ERRORS
 from aftgen.device import DEVICE_HELP, DTYPE_HELP
 from aftgen.errors import AftgenError
 from aftgen.files import kind_of
+from aftgen.hub import MODEL_HELP
 from aftgen.options import HARDWARE_PANEL, declared
 
 MODEL_PANEL, TRAIN_PANEL, DATA_PANEL, SAMPLE_PANEL, STATE_PANEL = (
@@ -42,9 +43,7 @@ ThreadsOption = Annotated[
         rich_help_panel=HARDWARE_PANEL,
     ),
 ]
-ModelOption = Annotated[
-    str | None, typer.Option("--model", "-m", help="Checkpoint folder or Hub id (default: the shipped model).")
-]
+ModelOption = Annotated[str | None, typer.Option("--model", "-m", help=MODEL_HELP)]
 
 Options = TypeVar("Options")
 Command = TypeVar("Command", bound=Callable)

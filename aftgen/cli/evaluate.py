@@ -8,7 +8,15 @@ from typing import Annotated
 
 import typer
 
-from aftgen.cli.common import ENCODING_HELP, ERRORS_HELP, HARDWARE_OPTIONS, command, placement, with_options
+from aftgen.cli.common import (
+    ENCODING_HELP,
+    ERRORS_HELP,
+    HARDWARE_OPTIONS,
+    ModelOption,
+    command,
+    placement,
+    with_options,
+)
 from aftgen.corpus import CorpusOptions
 
 
@@ -16,7 +24,7 @@ from aftgen.corpus import CorpusOptions
 @command
 def evaluate(
     file: Annotated[Path, typer.Argument(help="Text file to score.")],
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Checkpoint folder or Hub id.")] = None,
+    model: ModelOption = None,
     reset_every: Annotated[
         int, typer.Option(help="Cut the context into independent windows of N tokens (0: one stream).")
     ] = 0,

@@ -10,6 +10,7 @@ from typing import Any
 
 from aftgen.device import DEVICE_HELP, DTYPE_HELP
 from aftgen.errors import AftgenError
+from aftgen.hub import MODEL_HELP
 from aftgen.options import HARDWARE_PANEL, POSITIVE, Range, check_ranges, option
 
 API_KEY = re.compile(r"[!-~]+")  # printable ASCII, no spaces: what an HTTP header carries as it was typed
@@ -41,9 +42,7 @@ class ServeOptions:
     and help (read by the command line, check() and docs/reference.md). The integer limits' upper ends lie
     far beyond any real use: they keep 2^64 from reaching torch or a loop."""
 
-    model: str | None = option(
-        None, "Checkpoint folder or Hub id (default: the shipped model).", flags=("--model", "-m")
-    )
+    model: str | None = option(None, MODEL_HELP, flags=("--model", "-m"))
     host: str = _server("127.0.0.1", "Address to listen on (127.0.0.1: this machine only).")
     port: int = _server(8000, "0: any free port (the one chosen is printed).", Range(0, 65535))
     api_key: str | None = _server(
