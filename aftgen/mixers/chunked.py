@@ -37,7 +37,7 @@ MATRICES = ("current", "previous", "into", "entry", "carry")
 # and this PyTorch form elsewhere, "triton" or "torch" one of them wherever the kernels apply.
 KERNEL_VARIABLE = "AFTGEN_MIXER_KERNEL"
 KERNEL_CHOICES = ("auto", "triton", "torch")
-KERNEL_MAX_CHUNK = 64  # the kernels hold two C x C weight matrices in registers; longer windows stay here
+KERNEL_CHUNKS = (16, 32, 64)  # powers of two tl.dot takes, the longest two C x C matrices that fit in registers
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
@@ -230,12 +230,27 @@ def chunk_length(chunk: int, window: int) -> int:
     return max(chunk, window, 1)
 
 
+def kernel_chunk(C: int) -> int | None:
+    """The fused kernels' chunk length for chunks of C: the shortest of KERNEL_CHUNKS >= C (any length
+    >= the window computes the same function), or None where the window is too long for them."""
+    return next((length for length in KERNEL_CHUNKS if length >= C), None)
+
+
+def kernel_weights(w: torch.Tensor, decay: torch.Tensor, C: int) -> list[torch.Tensor]:
+    """The fused kernels' weights, built with autograd as block_weights builds them: current, previous
+    (H, C, C), into, entry (H, C) and gamma (H,), the carried sum's decay over one chunk."""
+    H = w.shape[0]
+    mats = block_weights(w, decay, C, 2, history=False)  # N=2: every matrix a chunk after the first reads
+    into, entry = mats["into"].reshape(H, C), mats["entry"].reshape(H, C)
+    return [mats["current"], mats["previous"], into, entry, torch.exp(-decay * C)]
+
+
 def use_kernel(device: torch.device, C: int) -> bool:
     """Whether aft_chunked runs the fused Triton kernels for chunks of C on `device` (KERNEL_VARIABLE says)."""
     choice = os.environ.get(KERNEL_VARIABLE, "auto")
     if choice not in KERNEL_CHOICES:
         raise AftgenError(f"{KERNEL_VARIABLE}={choice!r}: choose one of {', '.join(KERNEL_CHOICES)}")
-    if choice == "torch" or C > KERNEL_MAX_CHUNK:
+    if choice == "torch" or kernel_chunk(C) is None:
         return False
     return choice == "triton" or (device.type == "cuda" and TRITON_INSTALLED)
 
@@ -250,7 +265,7 @@ def aft_chunked(q, k, v, w: torch.Tensor, decay: torch.Tensor, chunk: int = 32) 
     if use_kernel(q.device, C):
         from aftgen.mixers.fused import aft_fused  # imports Triton: only where the kernels run
 
-        return aft_fused(q, k, v, w, decay, C)
+        return aft_fused(q, k, v, *kernel_weights(w, decay, kernel_chunk(C)))
     q, k, v = _pad_to_chunks(q, k, v, C)
     mats = block_weights(w, decay, C, k.shape[1] // C, history=False)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w, decay)):

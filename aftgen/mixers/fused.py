@@ -10,7 +10,7 @@ The backward walks the chunks in reverse. It needs the carried sum S_n at every 
 forward kernel, run a second time with its outputs switched off, writes just those (B, H, N, 2, D),
 so the forward saves nothing beyond its inputs. The gradients of the small weight matrices are
 summed per program and then over programs here; autograd carries them to w and lambda through
-chunked.block_weights, the same construction the PyTorch form differentiates.
+chunked.kernel_weights, built by the same construction the PyTorch form differentiates.
 
 Both kernels are torch.library ops (triton_op), so torch.compile traces through them. In Triton's
 interpreter (TRITON_INTERPRET=1) they run on CPU tensors: that is how the tests check them.
@@ -28,10 +28,9 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from aftgen.errors import AftgenError
-from aftgen.mixers.chunked import block_weights
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-MIN_DOT = 16  # tl.dot's smallest block on a GPU: chunks and channel blocks are at least this
+MIN_CHANNEL_BLOCK = 16  # tl.dot's smallest block on a GPU (chunks are at least this long too: chunked.KERNEL_CHUNKS)
 MAX_CHANNEL_BLOCK = 64  # channels per program: wider heads take several programs
 
 
@@ -81,7 +80,7 @@ def _forward_kernel(
             mask = (t < T)[:, None] & (c < D)[None, :]
             num += reach[:, None] * s_num[None, :]
             den = tl.where(mask, den + reach[:, None] * s_den[None, :], 1.0)
-            out = tl.sigmoid(_load(q, t, c, q_t, mask)) * num / den
+            out = tl.where(mask, tl.sigmoid(_load(q, t, c, q_t, mask)) * num / den, 0.0)  # rows past T: unwritten
             tl.store(y + t[:, None] * y_t + c[None, :], out.to(y.dtype.element_ty), mask=mask)
         # S_{n+1} = gamma S_n + entry . block n-1: the block before this chunk leaves the window's reach.
         s_num = fade * s_num + tl.sum(enter[:, None] * ev_prev, axis=0)
@@ -175,7 +174,7 @@ def _launch_shape(q: torch.Tensor, current: torch.Tensor) -> tuple[int, int, tup
     """The channel block, the number of chunks and the grid (channel blocks, B H) for q (B, T, H, D)."""
     B, T, H, D = q.shape
     C = current.shape[-1]
-    block = min(max(MIN_DOT, triton.next_power_of_2(D)), MAX_CHANNEL_BLOCK)
+    block = min(max(MIN_CHANNEL_BLOCK, triton.next_power_of_2(D)), MAX_CHANNEL_BLOCK)
     return block, triton.cdiv(T, C), (triton.cdiv(D, block), B * H)
 
 
@@ -213,7 +212,7 @@ def aft_local_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, current: torch.Tensor, previous: torch.Tensor,
     into: torch.Tensor, entry: torch.Tensor, gamma: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
-    """y (B, T, H, D) from q, k, v (B, T, H, D) and the weights of chunked.block_weights: current and
+    """y (B, T, H, D) from q, k, v (B, T, H, D) and chunked.kernel_weights: current and
     previous (H, C, C), into and entry (H, C), gamma = exp(-lambda C) (H,)."""
     q, k, v = _rows(q), _rows(k), _rows(v)
     weights = _weights(current, previous, into, entry, gamma)
@@ -263,26 +262,12 @@ def _backward(ctx, grad_y):
 aft_local_forward.register_autograd(_backward, setup_context=_save_inputs)
 
 
-def kernel_chunk(C: int) -> int:
-    """The kernel's chunk length for chunked.py's C: a power of two tl.dot takes. Any length >= the
-    window computes the same function, so rounding up changes nothing but the speed."""
-    return max(MIN_DOT, triton.next_power_of_2(C))
-
-
-def kernel_weights(w: torch.Tensor, decay: torch.Tensor, C: int) -> list[torch.Tensor]:
-    """The kernels' weights for chunks of C, built with autograd: current, previous (H, C, C), into,
-    entry (H, C) and gamma (H,), the decay of the carried sum over one chunk."""
-    H = w.shape[0]
-    mats = block_weights(w, decay, C, 2, history=False)  # N=2: every matrix a chunk after the first reads
-    into, entry = mats["into"].reshape(H, C), mats["entry"].reshape(H, C)
-    return [mats["current"], mats["previous"], into, entry, torch.exp(-decay * C)]
-
-
-def aft_fused(q, k, v, w: torch.Tensor, decay: torch.Tensor, C: int) -> torch.Tensor:
-    """chunked.aft_chunked's y (B, T, H, D) from the fused kernels, gradients included; chunks of at least C."""
+def aft_fused(q, k, v, *weights: torch.Tensor) -> torch.Tensor:
+    """chunked.aft_chunked's y (B, T, H, D) from the fused kernels, gradients included, for
+    chunked.kernel_weights (whose chunk length must be a power of two, at least 16)."""
     if not (q.is_cuda or INTERPRETING):
         raise AftgenError(
             f"the fused AFT kernels run on CUDA (or under TRITON_INTERPRET=1), not on {q.device.type}: "
             "unset AFTGEN_MIXER_KERNEL"
         )
-    return aft_local_forward(q, k, v, *kernel_weights(w, decay, kernel_chunk(C)))
+    return aft_local_forward(q, k, v, *weights)
