@@ -28,11 +28,10 @@ KERNEL_DEVICE = "cpu" if INTERPRETED else DEVICE
 kernels = pytest.mark.skipif(not KERNELS_HERE, reason="run by test_the_kernels_in_tritons_interpreter")
 CHUNK = 16  # the kernels' smallest chunk: windows 0, 1 and the whole chunk below
 SATURATED = 100.0  # keys scaled by this sit at the soft cap, +-KEY_CAP
-# (T, window, decay, key scale): every window and decay at short lengths, and a few longer ones.
+# (T, window, decay, key scale): every window and decay at short lengths, then keys at the cap.
 CASES = [(T, s, decay, 1.0) for T in (1, 15, 63) for s in (0, 1, CHUNK) for decay in (False, True)] + [
     (63, 1, True, SATURATED),
-    (300, CHUNK, True, SATURATED),
-    (300, 0, False, 1.0),
+    (300, CHUNK, True, SATURATED),  # 19 chunks: the carried sum over many
 ]
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2}  # of the largest magnitude (or 1)
 
@@ -47,13 +46,13 @@ def exact_fp32():
 
 
 def inputs(T: int, window: int, decay: bool, key_scale: float = 1.0, seed: int = 0) -> list[torch.Tensor]:
-    """q, k, v (2, T, 2, 5) with k soft-capped, w (2, window) soft-capped and lambda (2,), in float64.
+    """q, k, v (2, T, 2, 20) with k soft-capped, w (2, window) soft-capped and lambda (2,), in float64.
 
-    Five channels: the kernels' channel block is 16, so the masks at its edge are exercised. Values are
+    20 channels: two of the kernels' blocks of 16, the second cut off by its mask. Values are
     rounded through fp16 so that every precision reads the very same numbers.
     """
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(2, T, 2, 5, generator=g, dtype=torch.float64) for _ in range(3))
+    q, k, v = (torch.randn(2, T, 2, 20, generator=g, dtype=torch.float64) for _ in range(3))
     k = soft_cap(k * key_scale)
     w = soft_cap(2 * torch.randn(2, window, generator=g, dtype=torch.float64))
     lam = 0.5 * torch.rand(2, generator=g, dtype=torch.float64) if decay else torch.zeros(2, dtype=torch.float64)

@@ -30,8 +30,10 @@ from torch.library import triton_op, wrap_triton
 from aftgen.errors import AftgenError
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-MIN_CHANNEL_BLOCK = 16  # tl.dot's smallest block on a GPU (chunks are at least this long too: chunked.KERNEL_CHUNKS)
-MAX_CHANNEL_BLOCK = 64  # channels per program: wider heads take several programs
+# Channels per program: tl.dot's smallest block (chunks are at least this long too: chunked.KERNEL_CHUNKS).
+# The smallest, for the most programs: each walks its chunks in turn, so at batch 1 and long T only
+# B H D / CHANNEL_BLOCK programs fill the GPU.
+CHANNEL_BLOCK = 16
 
 
 @triton.jit
@@ -170,12 +172,10 @@ def _backward_kernel(
     tl.store(grad_gamma + share, tl.sum(d_fade, axis=0))
 
 
-def _launch_shape(q: torch.Tensor, current: torch.Tensor) -> tuple[int, int, tuple[int, int]]:
-    """The channel block, the number of chunks and the grid (channel blocks, B H) for q (B, T, H, D)."""
+def _launch_shape(q: torch.Tensor, current: torch.Tensor) -> tuple[int, tuple[int, int]]:
+    """The number of chunks and the grid (channel blocks, B H) for q (B, T, H, D)."""
     B, T, H, D = q.shape
-    C = current.shape[-1]
-    block = min(max(MIN_CHANNEL_BLOCK, triton.next_power_of_2(D)), MAX_CHANNEL_BLOCK)
-    return block, triton.cdiv(T, C), (triton.cdiv(D, block), B * H)
+    return triton.cdiv(T, current.shape[-1]), (triton.cdiv(D, CHANNEL_BLOCK), B * H)
 
 
 def _precision() -> str:
@@ -198,11 +198,11 @@ def carried_sums(q, k, v, *weights: torch.Tensor) -> torch.Tensor:
     q, k, v = _rows(q), _rows(k), _rows(v)
     weights = _weights(*weights)
     B, T, H, D = q.shape
-    block, N, grid = _launch_shape(q, weights[0])
+    N, grid = _launch_shape(q, weights[0])
     states = q.new_empty(B, H, N, 2, D, dtype=torch.float32)
     wrap_triton(_forward_kernel)[grid](
         q, k, v, q, states, *weights, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *q.stride()[:3],
-        T, H, D, N, C=weights[0].shape[-1], BD=block, WRITE_Y=False, WRITE_STATES=True, PRECISION=_precision(),
+        T, H, D, N, C=weights[0].shape[-1], BD=CHANNEL_BLOCK, WRITE_Y=False, WRITE_STATES=True, PRECISION=_precision(),
     )  # fmt: skip
     return states
 
@@ -217,11 +217,11 @@ def aft_local_forward(
     q, k, v = _rows(q), _rows(k), _rows(v)
     weights = _weights(current, previous, into, entry, gamma)
     B, T, H, D = q.shape
-    block, N, grid = _launch_shape(q, current)
+    N, grid = _launch_shape(q, current)
     y = q.new_empty(B, T, H, D)
     wrap_triton(_forward_kernel)[grid](
         q, k, v, y, y, *weights, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *y.stride()[:3],
-        T, H, D, N, C=current.shape[-1], BD=block, WRITE_Y=True, WRITE_STATES=False, PRECISION=_precision(),
+        T, H, D, N, C=current.shape[-1], BD=CHANNEL_BLOCK, WRITE_Y=True, WRITE_STATES=False, PRECISION=_precision(),
     )  # fmt: skip
     return y
 
@@ -237,7 +237,7 @@ def aft_local_backward(
     weights = _weights(current, previous, into, entry, gamma)
     B, T, H, D = q.shape
     C = current.shape[-1]
-    block, N, grid = _launch_shape(q, current)
+    N, grid = _launch_shape(q, current)
     states = carried_sums(q, k, v, *weights)
     grad_q, grad_k, grad_v = (x.new_empty(B, T, H, D) for x in (q, k, v))
     programs = grid[0] * B  # every (sequence, channel block) adds its share to the weights' gradients
@@ -245,7 +245,7 @@ def aft_local_backward(
     wrap_triton(_backward_kernel)[grid](
         q, k, v, grad_y, states, *weights, grad_q, grad_k, grad_v, *shares,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_y.stride()[:3], *grad_q.stride()[:3],
-        T, H, D, N, C=C, BD=block, PRECISION=_precision(),
+        T, H, D, N, C=C, BD=CHANNEL_BLOCK, PRECISION=_precision(),
     )  # fmt: skip
     sums = [share.sum(0).to(m.dtype) for share, m in zip(shares, (current, previous, into, entry, gamma), strict=True)]
     return grad_q, grad_k, grad_v, *sums
