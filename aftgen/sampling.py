@@ -34,7 +34,7 @@ class Control:
     """A sampling control: its default (whose type is the control's), range and help, and its filter.
 
     `aftgen sample` and `aftgen chat` take each one in CONTROLS as an option, the server as a request
-    field, SamplingOptions as a keyword. The engine draws every row of its batch in one pass, so a filter
+    field, SamplingOptions as a field of its own. The engine draws every row of its batch in one pass, so a filter
     takes the logits (B, V) and each row's value (B, 1), and returns logits (tokens ruled out: -inf).
     """
 
