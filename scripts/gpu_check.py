@@ -60,6 +60,7 @@ class Sizes:
     compile_time: float
     parity_tokens: int
     bench_train: list[str]
+    kernel: list[str]  # the fused mixer kernels' stage: lengths, preset, tokens per step, timed repeats
     bench_generate: list[str]
     serve: list[str]
 
@@ -73,6 +74,7 @@ class Sizes:
                 compile_time=3,
                 parity_tokens=100,
                 bench_train=["--lengths", "64", "--mixers", "aft_local", "--repeats", "1"],
+                kernel=["64", "tiny", "128", "1"],
                 bench_generate=["--preset", "tiny", "--contexts", "600,1200", "--tokens", "1500"],
                 serve=["--tokens", "16", "--rounds", "1"],
             )
@@ -84,6 +86,7 @@ class Sizes:
             compile_time=60,  # what the budget leaves: enough to show --compile works and its speed
             parity_tokens=2048,
             bench_train=["--lengths", "1024,4096,16384", "--mixers", "aft_local,attention", "--repeats", "3"],
+            kernel=["1024,4096,16384", "small", "4096", "5"],  # bench train's model and tokens per step
             bench_generate=["--contexts", "1000,8000,32000", "--tokens", "3000"],
             serve=["--tokens", "128", "--rounds", "1"],
         )
@@ -233,6 +236,15 @@ class Check:
             )
         }
 
+    def kernel(self, stage: Stage) -> dict:
+        """The fused mixer kernels (issue 33) against the PyTorch form and SDPA; on a CPU in Triton's interpreter."""
+        env = {"TRITON_INTERPRET": "1"} if self.device == "cpu" else {}
+        output = self.command(stage, [sys.executable, "-c", KERNEL, self.device, *self.sizes.kernel], env=env)
+        figures = json.loads(output.splitlines()[-1])
+        if not figures["ok"]:
+            raise StageFailed(f"the fused kernels disagree with the PyTorch form: {figures['parity']}")
+        return figures
+
     def bench_generate(self, stage: Stage) -> dict:
         return {"rows": self.json_rows(stage, "bench", "generate", "--device", self.device, *self.sizes.bench_generate)}
 
@@ -253,6 +265,7 @@ class Check:
                 lambda s: self.train(s, "--dtype", "bf16", seconds=sizes.train_time),
             ),
             Stage("bench_train", 150, self.bench_train),
+            Stage("kernel", 360, self.kernel),
             Stage("bench_generate", 150, self.bench_generate),
             Stage("bench_serve", 120, self.bench_serve),
             # Last: a run short of the budget trains for what is left (its figures record how long).
@@ -340,6 +353,80 @@ figures["ok"] = (figures["fp32_max_diff"] <= 1e-3 and figures["bf16_max_diff"] <
 print(json.dumps(figures))
 """
 
+# The fused mixer kernels (issue 33) on the device: their parity with the PyTorch form (fp32 exact; bf16 autocast
+# with TF32, as training runs), then per length the mixer alone, forward + backward, in either form against
+# attention (SDPA: flash in bf16), and a training step of the whole model, both mixers compiled, bf16.
+# argv: device, lengths, preset, tokens per step, timed repeats. The bars are issue 33's, for a GPU.
+KERNEL = """
+import contextlib, json, os, sys, time, torch
+from aftgen.bench.mixers import comparison_model
+from aftgen.device import resolve, synchronize
+from aftgen.mixers.chunked import KERNEL_VARIABLE
+from aftgen.training.probe import training_step
+device, lengths, preset, tokens, repeats = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+placement = resolve(device, "bf16")
+BARS = {1024: 1.0, 4096: 1.5, 16384: 3.0}  # compiled train tokens/s, aft_local / attention
+def seconds(run):
+    for _ in range(2):
+        run()
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(placement.device)
+        start = time.perf_counter()
+        run()
+        synchronize(placement.device)
+        best = min(best, time.perf_counter() - start)
+    return best
+def mixer_pass(mixer, x, grad, form, autocast):
+    def run():
+        os.environ[KERNEL_VARIABLE] = form
+        with autocast():
+            y, _ = mixer(x)
+        y.backward(grad.to(y.dtype))
+        return y
+    return run
+def worst_difference(mixer, x, grad, autocast):
+    results = {}
+    for form in ("torch", "triton"):
+        mixer.zero_grad()
+        x.grad = None
+        y = mixer_pass(mixer, x, grad, form, autocast)()
+        results[form] = [y.float(), x.grad] + [p.grad for p in mixer.parameters() if p.grad is not None]
+    return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6)).item()
+               for a, b in zip(results["triton"], results["torch"], strict=True))
+rows, parity = [], {}
+for length in (int(t) for t in lengths.split(",")):
+    batch = max(1, tokens // length)
+    torch.manual_seed(0)
+    models = {name: comparison_model(name, length, preset).to(placement.device).train()
+              for name in ("aft_local", "attention")}
+    x = torch.randn(batch, length, models["aft_local"].config.n_embd, device=placement.device, requires_grad=True)
+    grad = torch.randn_like(x)
+    mixer = models["aft_local"].blocks[0].mixer
+    if not parity:
+        allowed = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        parity["fp32"] = worst_difference(mixer, x, grad, contextlib.nullcontext)
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+        parity["bf16"] = worst_difference(mixer, x, grad, placement.autocast)
+    row = {"length": length, "batch": batch}
+    for name, form in (("torch", "torch"), ("triton", "triton"), ("attention", "auto")):
+        chosen = models["attention"].blocks[0].mixer if name == "attention" else mixer
+        row[f"mixer_ms_{name}"] = 1e3 * seconds(mixer_pass(chosen, x, grad, form, placement.autocast))
+    os.environ[KERNEL_VARIABLE] = "auto"
+    for name, model in models.items():
+        step = training_step(torch.compile(model), batch, length, placement.autocast)
+        row[f"train_tokens_per_s_{name}"] = batch * length / seconds(step)
+    row["mixer_triton_vs_attention"] = row["mixer_ms_attention"] / row["mixer_ms_triton"]
+    row["train_vs_attention"] = row["train_tokens_per_s_aft_local"] / row["train_tokens_per_s_attention"]
+    if length in BARS:
+        row["bar"], row["met"] = BARS[length], row["train_vs_attention"] >= BARS[length]
+    rows.append(row)
+    del models, mixer, x, grad
+ok = parity["fp32"] <= 1e-4 and parity["bf16"] <= 0.02
+print(json.dumps({"parity": parity, "rows": rows, "ok": ok}))
+"""
+
 
 def report(stages: list[Stage], device: str, quick: bool) -> str:
     passed = sum(1 for stage in stages if stage.ok)
@@ -378,6 +465,17 @@ def _summary(stage: Stage) -> list[str]:
             f"bf16 {f['bf16_max_diff']:.3g}, bf16 vs fp32 {f['bf16_vs_fp32_max_diff']:.3g} "
             f"(logits up to {f['logit_scale']}); bf16 top-1 agreement {f['bf16_top1_agreement']:.4f}"
         ]
+    if stage.name == "kernel":
+        lines = [f"kernel parity with the PyTorch form, worst relative diff: fp32 {f['parity']['fp32']:.2e}, "
+                 f"bf16 {f['parity']['bf16']:.2e}"]  # fmt: skip
+        for row in f["rows"]:
+            bar = f" [{'ok' if row['met'] else 'missed'}: >= {row['bar']}]" if "bar" in row else ""
+            lines.append(
+                f"kernel T={row['length']} (batch {row['batch']}): mixer fwd+bwd torch {row['mixer_ms_torch']:.2f} ms, "
+                f"triton {row['mixer_ms_triton']:.2f} ms, attention {row['mixer_ms_attention']:.2f} ms; "
+                f"compiled bf16 train aft_local / attention {row['train_vs_attention']:.2f}x{bar}"
+            )
+        return lines
     if "nats_per_char" in f:
         note = f"; {f['note']}" if f.get("note") else ""
         return [

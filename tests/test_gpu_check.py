@@ -19,6 +19,7 @@ STAGES = [
     "suite",
     "train_bf16",
     "bench_train",
+    "kernel",
     "bench_generate",
     "bench_serve",
     "train_compile",
@@ -37,6 +38,8 @@ def test_the_check_runs_every_stage_on_the_cpu_and_reports_each(tmp_path, corpus
     suite = stages["suite"]["figures"]  # the model test, once per activation
     assert suite["passed"] == len(ACTIVATIONS) and suite["failed"] == 0
     assert stages["parity"]["figures"]["fp32_max_diff"] < 1e-3
+    kernel = stages["kernel"]["figures"]  # the fused kernels, in Triton's interpreter here
+    assert kernel["ok"] and [row["length"] for row in kernel["rows"]] == [64]
     for run in ("train_bf16", "train_compile"):
         assert stages[run]["figures"]["steps"] > 0 and stages[run]["figures"]["nats_per_char"] > 0
         assert stages[run]["figures"]["device"] == "cpu bf16"
