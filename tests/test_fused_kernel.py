@@ -19,6 +19,7 @@ from conftest import DEVICE
 pytest.importorskip("triton")
 
 from aftgen.errors import AftgenError  # noqa: E402
+from aftgen.mixers import chunked  # noqa: E402
 from aftgen.mixers.aft import AFTMixer, aft_naive, soft_cap  # noqa: E402
 from aftgen.mixers.chunked import KERNEL_CHUNKS, KERNEL_VARIABLE, aft_chunked, kernel_weights, use_kernel  # noqa: E402
 
@@ -154,6 +155,9 @@ def test_the_variable_chooses_the_form_and_long_windows_stay_in_pytorch(monkeypa
     assert not use_kernel(cuda, 32)
     monkeypatch.setenv(KERNEL_VARIABLE, "triton")
     assert use_kernel(cpu, 32) and not use_kernel(cpu, KERNEL_CHUNKS[-1] + 1)
+    monkeypatch.setattr(chunked, "KERNELS_AVAILABLE", False)
+    with pytest.raises(AftgenError, match="needs Triton"):
+        use_kernel(cuda, 32)
     monkeypatch.setenv(KERNEL_VARIABLE, "fast")
     with pytest.raises(AftgenError, match="choose one of auto, triton, torch"):
         use_kernel(cpu, 32)

@@ -33,12 +33,13 @@ from aftgen.errors import AftgenError
 
 EMPTY_KEY = -1e4  # the key of a token that weighs nothing: exp(EMPTY_KEY - m) == 0 for any m in range
 MATRICES = ("current", "previous", "into", "entry", "carry")
-# Which form aft_chunked runs: "auto" the fused Triton kernels (fused.py) on CUDA where Triton is installed
+# Which form aft_chunked runs: "auto" the fused Triton kernels (fused.py) on CUDA where they are available
 # and this PyTorch form elsewhere, "triton" or "torch" one of them wherever the kernels apply.
 KERNEL_VARIABLE = "AFTGEN_MIXER_KERNEL"
 KERNEL_CHOICES = ("auto", "triton", "torch")
 KERNEL_CHUNKS = (16, 32, 64)  # powers of two tl.dot takes, the longest two C x C matrices that fit in registers
-TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+# The kernels need Triton, and torch.library.triton_op (torch >= 2.6).
+KERNELS_AVAILABLE = importlib.util.find_spec("triton") is not None and hasattr(torch.library, "triton_op")
 
 
 @dataclass
@@ -250,9 +251,11 @@ def use_kernel(device: torch.device, C: int) -> bool:
     choice = os.environ.get(KERNEL_VARIABLE, "auto")
     if choice not in KERNEL_CHOICES:
         raise AftgenError(f"{KERNEL_VARIABLE}={choice!r}: choose one of {', '.join(KERNEL_CHOICES)}")
+    if choice == "triton" and not KERNELS_AVAILABLE:
+        raise AftgenError(f"{KERNEL_VARIABLE}=triton needs Triton and torch >= 2.6: pip install triton, or unset it")
     if choice == "torch" or kernel_chunk(C) is None:
         return False
-    return choice == "triton" or (device.type == "cuda" and TRITON_INSTALLED)
+    return choice == "triton" or (device.type == "cuda" and KERNELS_AVAILABLE)
 
 
 def aft_chunked(q, k, v, w: torch.Tensor, decay: torch.Tensor, chunk: int = 32) -> torch.Tensor:
