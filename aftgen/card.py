@@ -6,7 +6,7 @@ from pathlib import Path
 
 from aftgen.curves import CURVES
 from aftgen.model import AFTConfig
-from aftgen.training.record import read_run_files
+from aftgen.record import read_run_files
 
 
 def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str = "", curves: bool = False) -> str:

@@ -5,7 +5,7 @@
     tokenizer.model              SentencePiece model
     README.md                    model card
 
-A training run's folder adds its own files beside them (aftgen/training/state_file.py and record.py).
+A training run's folder adds its own files beside them (aftgen/record.py, aftgen/training/state_file.py).
 """
 
 from __future__ import annotations

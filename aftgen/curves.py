@@ -13,7 +13,7 @@ from pathlib import Path
 
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_write
-from aftgen.training.record import read_run_files
+from aftgen.record import read_run_files
 
 CURVES = "curves.png"
 INSTALL_HINT = "pip install 'aftgen[plot]'"

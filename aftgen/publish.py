@@ -14,10 +14,9 @@ from aftgen.curves import CURVES
 from aftgen.errors import AftgenError
 from aftgen.hub import hub_errors
 from aftgen.model import AFTLM
+from aftgen.record import METRICS, TRAINING_INFO, TRAINING_STATE
 from aftgen.sampling import SamplingOptions, read_prompt, sample_text
 from aftgen.tokenizer import Tokenizer
-from aftgen.training.record import METRICS, TRAINING_INFO
-from aftgen.training.state_file import TRAINING_STATE
 
 CARD_SAMPLE_TOKENS = 80
 

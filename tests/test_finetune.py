@@ -19,10 +19,10 @@ from aftgen.checkpoint import WEIGHTS, load_checkpoint
 from aftgen.cli import app
 from aftgen.errors import AftgenError
 from aftgen.model import AFTConfig
+from aftgen.record import TRAINING_INFO
 from aftgen.state import weights_hash
 from aftgen.training.loop import TrainingInterrupted
 from aftgen.training.options import FINE_TUNE_DEFAULTS, TrainOptions
-from aftgen.training.record import TRAINING_INFO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 runner = CliRunner()

@@ -7,9 +7,9 @@ import json
 import pytest
 from conftest import train_tiny
 
+from aftgen.record import TRAINING_INFO
 from aftgen.training import recipe
 from aftgen.training.recipe import choose
-from aftgen.training.record import TRAINING_INFO
 
 # Tokens/s measured on a 2-core CPU (bf16) and guessed for a GPU: the speeds choose() is given.
 CPU = {"small": 20_000, "medium": 9_000, "large": 2_000}

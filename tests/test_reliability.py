@@ -38,9 +38,8 @@ from aftgen.checkpoint import (
 from aftgen.cli import app
 from aftgen.errors import AftgenError
 from aftgen.model import MAX_PARAMETERS, AFTConfig
+from aftgen.record import TRAINING_INFO, TRAINING_STATE
 from aftgen.training.loop import TrainingInterrupted
-from aftgen.training.record import TRAINING_INFO
-from aftgen.training.state_file import TRAINING_STATE
 
 runner = CliRunner()
 SOURCE = Path(aftgen.__file__).parent

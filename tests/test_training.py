@@ -14,8 +14,7 @@ from safetensors.torch import load_file
 from aftgen import evaluate
 from aftgen.checkpoint import WEIGHTS, load_checkpoint
 from aftgen.model import AFTLM, AFTConfig
-from aftgen.training.record import TRAINING_INFO
-from aftgen.training.state_file import TRAINING_STATE
+from aftgen.record import TRAINING_INFO, TRAINING_STATE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,7 +14,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from aftgen.bench.targets import TARGETS, Row
-from aftgen.training.record import TRAINING_INFO
+from aftgen.record import TRAINING_INFO
 
 ENTRY_SEPARATOR = "\n%\n"  # fortune files: entries separated by '%' lines
 EVAL_INTERVAL = 50  # both runs check often enough for --keep-best to catch a small corpus's best

@@ -27,7 +27,7 @@ from aftgen.bench.serve import ServerProcess, run_phase
 from aftgen.bench.targets import TARGETS, Row
 from aftgen.cores import SOLO_VARIABLE
 from aftgen.errors import AftgenError
-from aftgen.training.record import TRAINING_INFO
+from aftgen.record import TRAINING_INFO
 
 MODES = {"shared": {}, "every core": {SOLO_VARIABLE: "1"}}  # the environment each mode's processes get
 STREAMS, TOKENS = 8, 128  # the server's load: rounds of 8 streaming clients, each asking for 128 tokens

@@ -10,7 +10,7 @@ import typer
 
 from aftgen.cli.common import command
 from aftgen.curves import CURVES
-from aftgen.training.record import METRICS
+from aftgen.record import METRICS
 
 
 @command

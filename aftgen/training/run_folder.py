@@ -18,11 +18,11 @@ from aftgen.distributed import World
 from aftgen.errors import AftgenError
 from aftgen.files import locked_folder
 from aftgen.model import AFTLM, AFTConfig
+from aftgen.record import TRAINING_INFO, TRAINING_STATE, read_run_files, write_metrics, write_run_info
 from aftgen.tokenizer import Tokenizer
 from aftgen.training.averaging import WeightAverage
 from aftgen.training.options import FINE_TUNE_DEFAULTS, RECIPE_FIELDS, TrainOptions
-from aftgen.training.record import TRAINING_INFO, read_run_files, write_metrics, write_run_info
-from aftgen.training.state_file import TRAINING_STATE, load_training_state, read_training_info, save_training_state
+from aftgen.training.state_file import load_training_state, read_training_info, save_training_state
 
 
 @dataclass

@@ -18,9 +18,8 @@ from aftgen.checkpoint import safetensors_metadata
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_write, is_count
 from aftgen.model import AFTLM
+from aftgen.record import TRAINING_STATE
 from aftgen.training.options import MODEL_FIELDS
-
-TRAINING_STATE = "training_state.safetensors"
 
 
 def save_training_state(

@@ -1,5 +1,8 @@
 """A training run's record beside its checkpoint: training.json (what the run is and how far it got, for
-people; written last) and metrics.jsonl (one row per held-out check)."""
+people; written last), metrics.jsonl (one row per held-out check) and the name of its training state file.
+
+It sits below the model cards, the curves, publishing and training, which all read it (training writes it).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from aftgen.errors import AftgenError
 from aftgen.files import atomic_write, is_count
 
 TRAINING_INFO, METRICS = "training.json", "metrics.jsonl"
+# What --resume needs: weights, optimiser and random states (written and read by aftgen.training.state_file).
+TRAINING_STATE = "training_state.safetensors"
 
 
 def write_run_info(folder: Path, info: dict) -> None:
