@@ -1,5 +1,5 @@
-"""aftgen's modules import one another without a cycle, counting every import: at module level, inside a
-function, or only for type checking."""
+"""aftgen's modules import one another without a cycle and never from a lower layer up to a higher one, counting
+every import: at module level, inside a function, or only for type checking."""
 
 from __future__ import annotations
 
@@ -9,6 +9,21 @@ from pathlib import Path
 import aftgen
 
 PACKAGE = Path(aftgen.__file__).parent
+# aftgen's layers, lowest first: a module imports from its own layer and those below, never from one above. A
+# listed package holds its modules, unless one of them is listed itself; the root `aftgen` stands for its
+# __init__ alone. A new module is listed here, where it belongs.
+LAYERS = {
+    "foundations": ["aftgen.errors", "aftgen.options", "aftgen.files", "aftgen.device", "aftgen.distributed",
+                    "aftgen.cores", "aftgen.mixers", "aftgen.tokenizer"],
+    "model": ["aftgen.model", "aftgen.checkpoint", "aftgen.corpus", "aftgen.hub", "aftgen.api", "aftgen"],
+    "generation": ["aftgen.sampling", "aftgen.state", "aftgen.chat", "aftgen.evaluate"],
+    "run records": ["aftgen.record", "aftgen.curves", "aftgen.card"],
+    "training": ["aftgen.training"],
+    "serving": ["aftgen.serve"],
+    "publishing": ["aftgen.publish"],
+    "benchmarks": ["aftgen.bench"],
+    "command line": ["aftgen.cli", "aftgen.__main__"],
+}  # fmt: skip
 
 
 def modules(package: Path) -> dict[str, Path]:
@@ -80,6 +95,46 @@ def test_the_package_has_no_import_cycle():
     assert len(graph) > 50 and "aftgen.mixers" in graph["aftgen.model"]  # the walk found modules and imports
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def layer_of(module: str, layers: dict[str, list[str]]) -> int | None:
+    """The index of the layer that holds `module` (its longest listed name), or None if no layer does."""
+    root = module.split(".")[0]
+    held = [(len(name), index) for index, names in enumerate(layers.values()) for name in names
+            if module == name or (name != root and module.startswith(name + "."))]  # fmt: skip
+    return max(held)[1] if held else None
+
+
+def upward_imports(graph: dict[str, set[str]], layers: dict[str, list[str]]) -> list[str]:
+    """Each import from a lower layer to a higher one, as 'importer (layer) -> imported (layer)'."""
+    names = list(layers)
+    found = []
+    for module in sorted(graph):
+        for target in sorted(graph[module]):
+            low, high = layer_of(module, layers), layer_of(target, layers)
+            if low < high:
+                found.append(f"{module} ({names[low]}) -> {target} ({names[high]})")
+    return found
+
+
+def test_every_module_has_a_layer_and_no_import_runs_up_the_layers():
+    graph = import_graph(PACKAGE)
+    unplaced = sorted(name for name in graph if layer_of(name, LAYERS) is None)
+    assert not unplaced, f"modules in no layer (list them in LAYERS): {unplaced}"
+    upward = upward_imports(graph, LAYERS)
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_an_import_up_the_layers_is_found(tmp_path):
+    files = {"__init__.py": "", "low.py": "def f():\n    from pkg.high import g\n", "high.py": "from pkg import low\n",
+             "sub/__init__.py": "", "sub/deep.py": "import pkg.low\n"}  # fmt: skip
+    for name, text in files.items():
+        (tmp_path / "pkg" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pkg" / name).write_text(text)
+    graph = import_graph(tmp_path / "pkg")
+    layers = {"bottom": ["pkg.low", "pkg"], "top": ["pkg.high", "pkg.sub"]}
+    assert layer_of("pkg.sub.deep", layers) == 1 and layer_of("pkg.other", layers) is None
+    assert upward_imports(graph, layers) == ["pkg.low (bottom) -> pkg.high (top)"]
 
 
 def test_a_cycle_through_a_package_or_a_function_is_found(tmp_path):
