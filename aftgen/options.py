@@ -47,6 +47,8 @@ def _number(value: float) -> str:
 
 POSITIVE = Range(0, open_low=True)
 HARDWARE_PANEL = "Hardware"  # where every command that runs a model lists --device, --dtype and --threads
+# Where `aftgen train` lists its options (aftgen.training.options declares them; `prepare` shares the data ones).
+MODEL_PANEL, TRAIN_PANEL, DATA_PANEL = "Model size", "Training", "Data"
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +22,10 @@ from aftgen.errors import AftgenError
 from aftgen.model import AFTConfig
 from aftgen.record import TRAINING_INFO
 from aftgen.state import weights_hash
+from aftgen.training.base import BaseModel
 from aftgen.training.loop import TrainingInterrupted
 from aftgen.training.options import FINE_TUNE_DEFAULTS, TrainOptions
+from aftgen.training.plan import refuse_changes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 runner = CliRunner()
@@ -68,10 +71,14 @@ def test_an_option_contradicting_the_base_model_is_one_error(tmp_path, corpus, t
 def test_a_mixer_whose_weights_the_context_length_shapes_keeps_it(corpus):
     # aft_full's window is its training length (Mixer.shaping_fields); aft_local's is --window alone.
     options = TrainOptions(corpus=corpus, init_from="base", context_length=16)
-    base = dict(vocab_size=400, n_layer=2, n_embd=32, n_head=2, window=8, context_length=32)
-    assert options.resolved(AFTConfig(**base, mixer="aft_local"))["context_length"] == 16
+    sizes = dict(vocab_size=400, n_layer=2, n_embd=32, n_head=2, window=8, context_length=32)
+
+    def base(mixer: str) -> BaseModel:
+        return BaseModel("base", Path("base"), AFTConfig(**sizes, mixer=mixer), tokenizer=None)
+
+    refuse_changes(options, base("aft_local"))  # a new training length is allowed
     with pytest.raises(AftgenError, match=r"--context-length 16 contradicts the base model \(context_length 32\)"):
-        options.resolved(AFTConfig(**base, mixer="aft_full"))
+        refuse_changes(options, base("aft_full"))
 
 
 def test_fine_tuning_starts_from_the_base_and_logs_its_score_as_step_0(tmp_path, corpus, tiny_run):

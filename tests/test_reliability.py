@@ -408,7 +408,7 @@ OPTION_CASES = [
     (["--layers", "100000"], "must be at most"),
     (["--width", "60000", "--layers", "200"], "parameters, more than aftgen's limit"),
     (["--mixer", "lstm"], "unknown --mixer 'lstm'"),
-    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--preset", "huge"], "unknown --preset 'huge'"),
     (["--max-time", "-5"], "duration must be positive"),
     (["--max-time", "soon"], "cannot read duration"),
     (["--errors", "maybe"], "--errors must be strict, replace or ignore"),

@@ -214,15 +214,22 @@ def test_no_decay_trains_the_papers_aft_local(tmp_path, corpus, tiny_run):
 def test_run_folder_alone_refuses_mistakes_and_keeps_the_best_check(tmp_path, corpus, tiny_run):
     from aftgen.distributed import World
     from aftgen.errors import AftgenError
+    from aftgen.model import AFTConfig
     from aftgen.training.loop import Clock
     from aftgen.training.options import TrainOptions
-    from aftgen.training.run_folder import RunFolder
+    from aftgen.training.plan import Plan
+    from aftgen.training.run_folder import RunFolder, claimed
 
-    with pytest.raises(AftgenError, match="already holds a run"):
-        RunFolder(TrainOptions(corpus, tiny_run), World())
+    with (
+        pytest.raises(AftgenError, match="already holds a run"),
+        claimed(TrainOptions(corpus, tiny_run), World(), print),
+    ):
+        pass
     with pytest.raises(AftgenError, match="no training state to resume"):
-        RunFolder(TrainOptions(corpus, tmp_path / "new", resume=True), World())
-    run = RunFolder(TrainOptions(corpus, tmp_path / "new", keep_best=True), World())
+        with claimed(TrainOptions(corpus, tmp_path / "new", resume=True), World(), print):
+            pass
+    plan = Plan(TrainOptions(corpus, tmp_path / "new", keep_best=True), AFTConfig.from_preset("tiny", 300), 8, {})
+    run = RunFolder(plan, World(), description={})
     checks = [
         run.record({"step": step, "held_out_nats_per_char": score}) for step, score in ((2, 3.0), (4, 2.0), (6, 2.5))
     ]

@@ -23,15 +23,9 @@ from aftgen.device import DEVICE_HELP, DTYPE_HELP
 from aftgen.errors import AftgenError
 from aftgen.files import kind_of
 from aftgen.hub import MODEL_HELP
-from aftgen.options import HARDWARE_PANEL, declared
+from aftgen.options import DATA_PANEL, HARDWARE_PANEL, declared
 
-MODEL_PANEL, TRAIN_PANEL, DATA_PANEL, SAMPLE_PANEL, STATE_PANEL = (
-    "Model size",
-    "Training",
-    "Data",
-    "Sampling",
-    "State files",
-)
+SAMPLE_PANEL, STATE_PANEL = "Sampling", "State files"
 DEBUG_VARIABLE = "AFTGEN_DEBUG"
 
 DeviceOption = Annotated[str, typer.Option(help=DEVICE_HELP, rich_help_panel=HARDWARE_PANEL)]

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from aftgen.checkpoint import WEIGHTS, check_checkpoint, read_weights
+from aftgen.checkpoint import TOKENIZER, WEIGHTS, check_checkpoint, read_weights
 from aftgen.distributed import World
+from aftgen.files import is_count
 from aftgen.hub import parse_hub_id, resolve_model
 from aftgen.model import AFTLM, AFTConfig
+from aftgen.record import read_run_files
 from aftgen.state import weights_hash
 from aftgen.tokenizer import Tokenizer
 
@@ -21,6 +23,7 @@ class BaseModel:
     folder: Path
     config: AFTConfig
     tokenizer: Tokenizer
+    run_batch_size: int | None = None  # the batch size it was trained with, where its run folder's record says
 
     @classmethod
     def find(cls, spec: str, world: World) -> BaseModel:
@@ -34,7 +37,10 @@ class BaseModel:
         if world.main:
             world.barrier()
         config = check_checkpoint(folder)
-        return cls(spec, folder, config, Tokenizer.load(folder / "tokenizer.model"))
+        batch_size = (read_run_files(folder)[0].get("settings") or {}).get("batch_size")
+        return cls(
+            spec, folder, config, Tokenizer.load(folder / TOKENIZER), batch_size if is_count(batch_size) else None
+        )
 
     @property
     def hub_id(self) -> str | None:

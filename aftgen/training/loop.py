@@ -9,33 +9,33 @@ they train one model together (see distributed.py).
 from __future__ import annotations
 
 import functools
-import json
 import math
-import shlex
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from aftgen import cores, curves, distributed, evaluate
-from aftgen.checkpoint import WEIGHTS, read_weights
+from aftgen.checkpoint import TOKENIZER, WEIGHTS, read_weights
 from aftgen.corpus import PreparedCorpus, prepare_corpus
 from aftgen.device import Compiled, Placement, resolve
 from aftgen.distributed import World
 from aftgen.errors import AftgenError
 from aftgen.mixers import fixed_size_state
-from aftgen.model import AFTLM, AFTConfig
+from aftgen.model import AFTLM
 from aftgen.tokenizer import Tokenizer
-from aftgen.training import batches, probe, recipe
+from aftgen.training import batches
 from aftgen.training.averaging import WeightAverage
 from aftgen.training.base import BaseModel
 from aftgen.training.optimizer import learning_rate, make_optimizer, set_learning_rate
-from aftgen.training.options import MODEL_FIELDS, RECIPE_FIELDS, TrainOptions
+from aftgen.training.options import TrainOptions
+from aftgen.training.plan import Plan, refuse_changes, settle
 from aftgen.training.progress import Interrupts, Reporter
-from aftgen.training.run_folder import RunFolder, TrainingState, describe_run, open_run_folder
+from aftgen.training.run_folder import RunFolder, TrainingState, claimed, describe_run
+from aftgen.training.state_file import Resumed
 
 EvalCallback = Callable[[dict], None]
 
@@ -66,15 +66,15 @@ def train(options: TrainOptions, quiet: bool = False, on_eval: EvalCallback | No
 
 def _train(options: TrainOptions, placement: Placement, world: World, quiet: bool, on_eval: EvalCallback | None):
     base = BaseModel.find(options.init_from, world) if options.init_from and not options.resume else None
+    if base is not None:
+        refuse_changes(options, base)
     warn = functools.partial(print, file=sys.stderr)  # even when quiet: another process's lock taken over
-    with (
-        open_run_folder(options, world, base.config if base else None, warn) as folder,
-        Reporter(quiet or not world.main) as reporter,
-    ):
-        corpus = _load_corpus(options, folder, base, world, quiet)
-        options, placement = _settle(options, folder, corpus, base, placement, world, reporter.log)
-        training = _start(options, folder, corpus, base, placement, world, reporter.log)
-        run = Run(options, folder, corpus, training, placement, world, reporter, on_eval)
+    with claimed(options, world, warn) as resumed, Reporter(quiet or not world.main) as reporter:
+        corpus = _load_corpus(options, base, world, quiet)
+        plan = settle(options, corpus, placement, world, base, resumed, reporter.log)
+        placement = resolve(placement.device, plan.options.dtype)
+        training, folder = _start(plan, corpus, base, resumed, placement, world, reporter.log)
+        run = Run(plan, folder, corpus, training, placement, world, reporter, on_eval)
         if base is not None:  # where fine-tuning starts: the base model's score on the new held-out text
             run.check_and_save(0.0, Meter(), None)
         stopped_by = run.loop()
@@ -87,83 +87,55 @@ def _train(options: TrainOptions, placement: Placement, world: World, quiet: boo
     return folder.path
 
 
-def _load_corpus(options, folder: RunFolder, base: BaseModel | None, world: World, quiet: bool) -> PreparedCorpus:
+def _load_corpus(options: TrainOptions, base: BaseModel | None, world: World, quiet: bool) -> PreparedCorpus:
     """The corpus prepared (aftgen.corpus: rank 0 trains the tokenizer unless the run has one, one
-    process per machine writes the token files), checked to hold at least one training sequence."""
-    tokenizer = Tokenizer.load(folder.path / "tokenizer.model") if options.resume else base and base.tokenizer
+    process per machine writes the token files)."""
+    tokenizer = Tokenizer.load(options.run_folder / TOKENIZER) if options.resume else base and base.tokenizer
     log = (lambda _: None) if quiet or not world.main else None
-    prepared = prepare_corpus(options.sources(), options.corpus_options(), log, tokenizer, world)
-    folder.held_out = prepared.held_out
-    return prepared
-
-
-def _settle(options, folder: RunFolder, corpus: PreparedCorpus, base, placement: Placement, world: World, log):
-    """The options the user did not give, filled: on --resume from the run's own record, on a fresh run
-    from the recipe (recipe.py, rank 0 measures and the others follow), and fine-tuning keeps its
-    defaults; then the model's sizes, checked to fit the corpus. Returns the options and placement."""
-    if options.resume:
-        options = folder.resumed_options(options)
-    elif base is None:
-        vocab_size = corpus.tokenizer.vocab_size
-        plan = probe.plan(options, len(corpus.train_ids), vocab_size, placement) if world.main else None
-        shared = world.share_bytes(json.dumps(plan.to_dict()).encode() if plan else None)
-        plan = recipe.Recipe(**json.loads(shared))
-        chosen = {name: getattr(plan, name) for name in RECIPE_FIELDS}
-        if options.keep_best is False:
-            chosen["patience"] = 0  # early stopping publishes the best weights: none without them
-        options = replace(options, dtype=plan.dtype)
-        options.fill(chosen)
-        folder.recipe = plan.to_dict()
-        given = replace(plan, **{name: getattr(options, name) for name in RECIPE_FIELDS})
-        log(given.describe(corpus.summary["chars"]))  # what will run: the recipe, with the user's options
-    options.check()
-    folder.settle(options, base.config if base else None)
-    placement = resolve(placement.device, options.dtype)
-    train_tokens, held_out_tokens = len(corpus.train_ids), len(corpus.held_out_ids)
-    length = folder.settings["context_length"]
-    if train_tokens < length + 2 or held_out_tokens < 2:
-        raise AftgenError(
-            f"{shlex.join(map(str, options.sources()))}: too small: {train_tokens} training tokens, fewer than one "
-            f"sequence of {length + 1}; give it more text or pass a smaller --context-length"
-        )
-    return options, placement
+    return prepare_corpus(options.sources(), options.corpus_options(), log, tokenizer, world)
 
 
 def _start(
-    options, folder: RunFolder, corpus: PreparedCorpus, base, placement: Placement, world: World, log
-) -> TrainingState:
-    """The model, optimiser and batch generator: fresh from the seed, from a base model's weights
-    (the optimiser still fresh), or restored from the run folder."""
+    plan: Plan,
+    corpus: PreparedCorpus,
+    base: BaseModel | None,
+    resumed: Resumed | None,
+    placement: Placement,
+    world: World,
+    log,
+) -> tuple[TrainingState, RunFolder]:
+    """The model, optimiser and batch generator: fresh from the seed, from a base model's weights (the
+    optimiser still fresh), or restored from the run folder; and the run folder that saves them."""
+    options = plan.options
     torch.manual_seed(options.seed)
-    config = AFTConfig(vocab_size=corpus.tokenizer.vocab_size, **{k: folder.settings[k] for k in MODEL_FIELDS})
-    model = AFTLM(config)
+    model = AFTLM(plan.config)
+    base_model = resumed.base_model if resumed else None
     if base is not None:
         base.load_weights_into(model)
-        folder.base_model = base.describe(model)
+        base_model = base.describe(model)
         log(f"fine-tuning {base.spec} ({model.num_parameters():,} parameters)")
     model = model.to(placement.device)
     training = TrainingState(model, make_optimizer(model, options), torch.Generator().manual_seed(options.seed))
     if options.ema:
         training.average = WeightAverage(model, options.ema)
-    if options.resume:
+    folder = RunFolder(plan, world, describe_run(plan, model, placement.describe(), world, base_model), resumed)
+    if resumed:
         folder.resume(training)
         log(f"resuming {folder.path} at step {training.step}")
-        if (before := folder.saved_world_size) != world.size:
-            log(f"note: trained so far by {before} processes, now {world.size}: the global batch changes")
+        if resumed.world_size != world.size:
+            log(f"note: trained so far by {resumed.world_size} processes, now {world.size}: the global batch changes")
     if world.rank:  # own dropout masks per process (the model's initialisation above is the same everywhere)
         torch.manual_seed(options.seed + 1_000_003 * world.rank + training.step)
     if folder.curves is None and world.main:
         log(curves.MISSING)
-    folder.description = describe_run(options, folder, model, placement.describe(), world)
-    batch = folder.description["global_batch_size"]
     log(
         f"{model.num_parameters():,} parameters, vocabulary {corpus.tokenizer.vocab_size}, "
         f"{len(corpus.train_ids):,} training tokens, {len(corpus.held_out_ids):,} held-out tokens, "
         f"on {placement.describe()}"
-        + (f" x {world.size} processes (global batch {batch})" if world.distributed else "")
+        + (f" x {world.size} processes (global batch {plan.batch_size * world.size})" if world.distributed else "")
         + f" -> {folder.path}"
     )
-    return training
+    return training, folder
 
 
 class Clock:
@@ -207,7 +179,7 @@ class Meter:
 class Run:
     """A training run's parts, set up: what the step loop, its held-out checks and its saves all read."""
 
-    options: TrainOptions
+    plan: Plan
     folder: RunFolder
     corpus: PreparedCorpus
     training: TrainingState
@@ -219,7 +191,7 @@ class Run:
     def loop(self) -> str | None:
         """Train until the step or time budget is spent, or --patience runs out; returns the signal that
         interrupted it, if one did."""
-        options, training, world = self.options, self.training, self.world
+        options, training, world = self.plan.options, self.training, self.world
         trainer = world.wrap(training.model)
         if options.compile:
             trainer = Compiled(
@@ -228,7 +200,7 @@ class Run:
         # fp16 needs loss scaling so small gradients do not flush to zero; bf16 and fp32 do not.
         scaler = torch.amp.GradScaler(self.placement.device.type, enabled=self.placement.dtype == torch.float16)
         clock, meter, stopped_by = Clock(options, training.elapsed), Meter(), None
-        batch_size, length = self.folder.settings["batch_size"], self.folder.settings["context_length"]
+        batch_size, length = self.plan.batch_size, self.plan.config.context_length
         training.model.train()
         with Interrupts() as interrupts:
             while True:
@@ -259,7 +231,7 @@ class Run:
 
     def out_of_patience(self) -> bool:
         """Whether the last `patience` held-out checks all missed the best (rank 0 keeps the score, so it decides)."""
-        patience, folder, world = self.options.patience, self.folder, self.world
+        patience, folder, world = self.plan.options.patience, self.folder, self.world
         if not patience:
             return False
         spent = world.sum([float(world.main and folder.checks_since_best() >= patience)])[0] > 0
@@ -281,9 +253,9 @@ class Run:
             raise self.folder.diverged("the loss", training.step + 1)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()  # DDP averages the gradients over the processes here
-        if self.options.grad_clip:
+        if self.plan.options.grad_clip:
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), self.options.grad_clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.plan.options.grad_clip)
         scaler.step(optimizer)
         scaler.update()
         training.step += 1
@@ -295,7 +267,7 @@ class Run:
         """The quick held-out check: evenly spaced windows of the training length (or all of a shorter text)."""
         ids, chars = self.corpus.held_out_ids, self.corpus.held_out_chars
         length, chars_per_token = min(model.config.context_length, len(ids) - 1), chars / (len(ids) - 1)
-        return evaluate.window_loss(model, ids, length, self.options.eval_windows) / chars_per_token
+        return evaluate.window_loss(model, ids, length, self.plan.options.eval_windows) / chars_per_token
 
     def check_and_save(self, elapsed: float, meter: Meter, lr: float | None) -> None:
         """Every eval_interval steps: a row of metrics from the held-out check, and a checkpoint."""
@@ -333,7 +305,7 @@ class Run:
         folder, training = self.folder, self.training
         last_checked = bool(folder.metrics) and folder.metrics[-1]["step"] == training.step
         improved = False
-        if self.options.keep_best and self.world.main and not stopped_by and not last_checked:
+        if self.plan.options.keep_best and self.world.main and not stopped_by and not last_checked:
             improved = folder.is_best(training.step, self.held_out_nats_per_char(training.published))
         if folder.curves:  # before the save, so that its model card shows them
             folder.curves.flush()
@@ -345,7 +317,7 @@ class Run:
         folder, training, corpus, log = self.folder, self.training, self.corpus, self.reporter.log
         model = training.model.eval()
         model.load_state_dict(read_weights(folder.path / WEIGHTS, model))
-        if self.options.keep_best:
+        if self.plan.options.keep_best:
             best = folder.best
             score = best["held_out_nats_per_char"]
             log(f"keeping the weights of step {best['step']} (quick held-out {score:.4f} nats/char)")

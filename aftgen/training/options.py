@@ -1,29 +1,55 @@
-"""Everything `aftgen train` can be told, with its default and its allowed range: the one home of both."""
+"""Everything `aftgen train` can be told: each option's default, range and help declared once, as a field of
+TrainOptions (the command line, the checks, aftgen.training.plan and docs/reference.md read them).
+
+None means "not given". aftgen.training.plan settles such an option from the first of these that has it:
+
+1. a resumed run's record: what the run started with (its model and batch size stay as they were);
+2. fine-tuning (--init-from): FINE_TUNE_DEFAULTS, the base model's architecture, its run's batch size;
+3. a fresh run: the recipe (recipe.py), chosen from the corpus, the budget and the machine, and the
+   data options' defaults (CorpusOptions: vocabulary size, tokenizer type);
+4. the preset (model.PRESETS: sizes and batch size; SIZES_PRESET where the user gives sizes but no
+   preset), then AFTConfig's defaults.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from aftgen.checkpoint import WEIGHT_DTYPES
 from aftgen.corpus import CorpusOptions
 from aftgen.corpus.split import parse_size
 from aftgen.device import DEVICES, DTYPES
 from aftgen.errors import AftgenError
-from aftgen.mixers import MIXERS, shaping_fields
-from aftgen.model import PRESETS, AFTConfig
-from aftgen.options import flag
+from aftgen.mixers import MIXERS
+from aftgen.model import ACTIVATIONS, PRESETS
+from aftgen.options import (
+    DATA_PANEL,
+    HARDWARE_PANEL,
+    MODEL_PANEL,
+    POSITIVE,
+    TRAIN_PANEL,
+    Range,
+    declared,
+    flag,
+    option,
+)
 from aftgen.sampling import check_seed
-from aftgen.training.recipe import EVAL_WINDOWS
+from aftgen.tokenizer import TOKENIZER_TYPES
+from aftgen.training.recipe import CANDIDATES, DEFAULT_BUDGET, EVAL_WINDOWS
 
-# AFTConfig fields a run may set (the rest come from the tokenizer); None in TrainOptions means "the preset's".
+# AFTConfig fields a run may set (the rest come from the tokenizer).
 MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "window", "context_length", "dropout", "decay", "mixer", "activation")
+# Options that size the model or its steps: given any, a fresh run keeps them (the recipe then chooses no size).
+SIZES = ("preset", "n_layer", "n_embd", "n_head", "window", "context_length", "batch_size")
+SIZES_PRESET = CANDIDATES[0]  # the preset that sizes given without --preset are laid over
 # What fine-tuning keeps from its base model; dropout, context length, batch and schedule may change.
 ARCHITECTURE = ("n_layer", "n_embd", "n_head", "window", "decay", "mixer", "activation", "vocab_size")
+FRESH_ONLY = ("preset", "vocab_size", "tokenizer_type")  # a fine-tuning run takes the base model's
 OPTIMIZERS = ("adamw", "muon")
-# What a fresh run's recipe (recipe.py) sets unless the user gives it: chosen from the corpus, the budget
-# and the machine's speed once the corpus is read. None in TrainOptions means "not given".
+# What a fresh run's recipe (recipe.py) sets unless the user gives it.
 RECIPE_FIELDS = ("preset", "activation", "optimizer", "dropout", "weight_decay", "ema", "lr",
                  "warmup_steps", "eval_interval", "eval_windows", "keep_best", "patience", "max_time")  # fmt: skip
 # Fine-tuning keeps its own defaults (nanoGPT's finetune_shakespeare: a lower learning rate, a short
@@ -32,82 +58,131 @@ FINE_TUNE_DEFAULTS = {"lr": 1e-3, "warmup_steps": 5, "eval_interval": 50, "eval_
                       "keep_best": True, "optimizer": "adamw", "weight_decay": 0.1, "ema": 0.0,
                       "patience": 0}  # fmt: skip
 FINE_TUNE_STEPS = 5000  # a fine-tuning run's budget when it is given none
-FRESH_ONLY = {"preset": "small", "vocab_size": 1024, "tokenizer_type": "bpe"}  # fine-tuning takes the base's
 MAX_BATCH_SIZE = 1 << 16  # sequences per step: more than any device holds, well before torch's sizes overflow
+NOT_NEGATIVE = Range(0)
+# The options whose values come from a table: --help lists the table, the check refuses anything else.
+CHOICES: dict[str, tuple[str, ...]] = {"preset": tuple(PRESETS), "mixer": tuple(MIXERS),
+                                       "activation": tuple(ACTIVATIONS), "optimizer": OPTIMIZERS,
+                                       "weights_dtype": tuple(WEIGHT_DTYPES),
+                                       "tokenizer_type": TOKENIZER_TYPES}  # fmt: skip
 
 
-@dataclass
+def _listed(name: str) -> str:
+    return " | ".join(CHOICES[name])
+
+
+def _chosen(name: str | None = None) -> str:
+    """The default of an option the recipe sets (and fine-tuning's, where it has its own)."""
+    fine_tuning = f"; fine-tuning: {FINE_TUNE_DEFAULTS[name]}" if name in FINE_TUNE_DEFAULTS else ""
+    return f" Default: the recipe's{fine_tuning}."
+
+
+def _model(help: str | None, range: Range | None = None, name: str | None = None) -> Any:
+    return option(None, help or "", range, MODEL_PANEL, flags=(flag(name),) if name else ())
+
+
+def _training(default: Any, help: str, range: Range | None = None) -> Any:
+    return option(default, help, range, TRAIN_PANEL)
+
+
+@dataclass(frozen=True)
 class TrainOptions:
-    """Everything `aftgen train` can be told; None means "from the preset"."""
+    """Everything `aftgen train` can be told, as given: None means "not given" (aftgen.training.plan settles it)."""
 
     corpus: Path | list[Path]  # text files and folders of them, each file a document
-    out: Path | None = None
-    init_from: str | None = None  # a checkpoint folder or OWNER/NAME[@REV] to fine-tune
-    preset: str | None = None
-    n_layer: int | None = None
-    n_embd: int | None = None
-    n_head: int | None = None
-    window: int | None = None
-    context_length: int | None = None
-    batch_size: int | None = None
-    dropout: float | None = None
-    decay: bool | None = None
-    mixer: str | None = None
-    activation: str | None = None  # the MLP's (model.ACTIVATIONS)
-    lr: float | None = None
-    min_lr_ratio: float = 0.1
-    weight_decay: float | None = None
-    warmup_steps: int | None = None
-    grad_clip: float = 1.0
-    optimizer: str | None = None  # adamw | muon
-    ema: float | None = None  # decay of the weight average that is checked and published; 0: the raw weights
-    max_steps: int | None = None
-    max_time: float | str | None = None  # seconds, or a duration such as "10m"
-    eval_interval: int | None = None
-    eval_windows: int | None = None
-    keep_best: bool | None = None
-    patience: int | None = None  # stop after this many held-out checks without a new best; 0: run the whole budget
-    weights_dtype: str = "fp32"
-    seed: int = 1337
-    vocab_size: int | None = None
-    tokenizer_type: str | None = None
-    encoding: str = "utf-8"
-    errors: str = "strict"
+    out: Path | None = option(None, "Run folder (default runs/<corpus-stem>).")
+    resume: bool = option(False, "Continue the run in --out where it stopped.")
+    overwrite: bool = option(False, "Replace a run already in --out.")
+    init_from: str | None = option(
+        None,
+        "Fine-tune this model (a checkpoint folder or OWNER/NAME\\[@REV] from the Hub): its tokenizer and "
+        "architecture are kept, the optimiser starts fresh, the batch size is its run's, and the defaults become "
+        + ", ".join(f"{flag(name)} {value}" for name, value in FINE_TUNE_DEFAULTS.items())
+        + ".",
+        panel=TRAIN_PANEL,
+    )
+    preset: str | None = _model(_listed("preset") + "." + _chosen())
+    n_layer: int | None = _model(None, POSITIVE, "n_layer")
+    n_embd: int | None = _model(None, POSITIVE, "n_embd")
+    n_head: int | None = _model(None, POSITIVE, "n_head")
+    mixer: str | None = _model("Token mixer: " + " | ".join(f"{name} ({kind.about})" for name, kind in MIXERS.items()))
+    window: int | None = _model("AFT-local window s.")
+    context_length: int | None = _model("Training sequence length.", POSITIVE)
+    dropout: float | None = _model(_chosen())
+    decay: bool | None = _model("Learned decay beyond the window (off: the paper's AFT-local).")
+    activation: str | None = _model("The MLP's: " + _listed("activation") + "." + _chosen())
+    max_steps: int | None = _training(None, f"Step budget (default: none; fine-tuning: {FINE_TUNE_STEPS}).", POSITIVE)
+    # seconds, or a duration such as "10m" (the command line passes it as text)
+    max_time: float | str | None = _training(
+        None,
+        f"Wall-time budget: 150, 90s, 10m, 1h. Default: {DEFAULT_BUDGET / 60:g}m unless --max-steps is given. "
+        "A fresh run chooses its recipe (model size, regularisation, schedule) for its corpus and this budget.",
+        POSITIVE,
+    )
+    batch_size: int | None = _training(
+        None,
+        "Sequences per step. Default: the preset's; fine-tuning: the base model's run's.",
+        Range(0, MAX_BATCH_SIZE, open_low=True),
+    )
+    lr: float | None = _training(None, "Peak learning rate." + _chosen("lr"), POSITIVE)
+    min_lr_ratio: float = 0.1  # where the cosine decay ends, as a fraction of lr (not a command-line option)
+    warmup_steps: int | None = _training(None, _chosen("warmup_steps"), NOT_NEGATIVE)
+    weight_decay: float | None = _training(None, _chosen(), NOT_NEGATIVE)
+    grad_clip: float = _training(1.0, "", NOT_NEGATIVE)
+    optimizer: str | None = _training(
+        None, f"{_listed('optimizer')} (Muon for the blocks' matrices, AdamW for the rest)." + _chosen("optimizer")
+    )
+    ema: float | None = _training(
+        None,
+        "Check and publish an exponential moving average of the weights with this decay (e.g. 0.995); 0: off."
+        + _chosen(),
+        Range(0, 1, open_high=True),
+    )
+    eval_interval: int | None = _training(
+        None, "Steps between held-out evals and checkpoints." + _chosen("eval_interval"), POSITIVE
+    )
+    eval_windows: int | None = _training(None, "Held-out windows each eval scores." + _chosen("eval_windows"), POSITIVE)
+    keep_best: bool | None = _training(
+        None, "Publish the weights that scored best on the held-out eval, not the latest." + _chosen("keep_best")
+    )
+    patience: int | None = _training(
+        None,
+        "Stop after this many held-out evals without a new best (needs --keep-best); 0: run the whole budget."
+        + _chosen(),
+        NOT_NEGATIVE,
+    )
+    weights_dtype: str = _training(
+        "fp32", f"{_listed('weights_dtype')}: precision of model.safetensors (fp16 halves it)."
+    )
+    seed: int = _training(1337, "")
+    vocab_size: int | None = option(
+        None, f"Default: {CorpusOptions.vocab_size} (fine-tuning: the base model's).", POSITIVE, DATA_PANEL
+    )
+    tokenizer_type: str | None = option(
+        None, f"{_listed('tokenizer_type')} (default: {CorpusOptions.tokenizer_type}).", panel=DATA_PANEL
+    )
+    encoding: str = CorpusOptions.encoding
+    errors: str = CorpusOptions.errors
     glob: str = CorpusOptions.glob
     held_out: int | str = CorpusOptions.held_out  # characters at most, or a size such as "500k"
-    skip_bad_files: bool = False
-    resume: bool = False
-    overwrite: bool = False
+    skip_bad_files: bool = CorpusOptions.skip_bad_files
     device: str = "auto"
     dtype: str = "auto"
-    compile: bool = False
+    compile: bool = option(
+        False, "torch.compile the training model (falls back to eager).", panel=HARDWARE_PANEL,
+        flags=("--compile/--no-compile",),
+    )  # fmt: skip
     command: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_time, str):
-            self.max_time = parse_duration(self.max_time)
+            object.__setattr__(self, "max_time", parse_duration(self.max_time))
         if isinstance(self.held_out, str):
-            self.held_out = parse_size(self.held_out)
-        if self.init_from:
-            self.fill(FINE_TUNE_DEFAULTS)
-            if self.max_time is None and self.max_steps is None:
-                self.max_steps = FINE_TUNE_STEPS
-        else:
-            self.fill({name: FRESH_ONLY[name] for name in ("vocab_size", "tokenizer_type")})
+            object.__setattr__(self, "held_out", parse_size(self.held_out))
 
-    def fill(self, values: dict) -> None:
-        """Set the options the user did not give (None) from `values`."""
-        for name, value in values.items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
-
-    @property
-    def sizes_given(self) -> bool:
-        """Whether the user named the model's size (a preset, or any size): the recipe then keeps it."""
-        return any(
-            getattr(self, name) is not None
-            for name in ("preset", "n_layer", "n_embd", "n_head", "window", "context_length", "batch_size")
-        )
+    def given(self, names: tuple[str, ...] | dict) -> dict:
+        """The options among `names` that the user gave (not None)."""
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     @property
     def run_folder(self) -> Path:
@@ -118,42 +193,8 @@ class TrainOptions:
 
     def corpus_options(self) -> CorpusOptions:
         """How to read and tokenize the corpus (a fine-tuning run's tokenizer is the base model's)."""
-        fresh = {name: getattr(self, name) or FRESH_ONLY[name] for name in ("vocab_size", "tokenizer_type")}
-        names = ("glob", "held_out", "skip_bad_files", "encoding", "errors")
-        return CorpusOptions(**{name: getattr(self, name) for name in names}, **fresh)
-
-    def resolved(self, base: AFTConfig | None = None) -> dict:
-        """The model's sizes and the batch size: the preset's, or the base model's when fine-tuning,
-        with explicit options laid over them."""
-        if base is not None:
-            self._refuse_architecture_changes(base)
-            settings = {name: getattr(base, name) for name in MODEL_FIELDS}
-            settings["batch_size"] = PRESETS[FRESH_ONLY["preset"]]["batch_size"]
-        else:
-            preset = self.preset or FRESH_ONLY["preset"]
-            if preset not in PRESETS:
-                raise AftgenError(f"unknown preset '{preset}'; choose one of: {', '.join(PRESETS)}")
-            # AFTConfig's defaults: what an older run folder's record, without these fields, was trained with
-            settings = {name: getattr(AFTConfig, name) for name in ("dropout", "decay", "mixer", "activation")}
-            settings |= PRESETS[preset]
-        for name in (*MODEL_FIELDS, "batch_size"):
-            if getattr(self, name) is not None:
-                settings[name] = getattr(self, name)
-        return settings
-
-    def _refuse_architecture_changes(self, base: AFTConfig) -> None:
-        """Fine-tuning keeps the base model's tokenizer and architecture: an option saying otherwise is an error."""
-        for name in FRESH_ONLY:
-            if getattr(self, name) is not None and name not in ARCHITECTURE:
-                raise AftgenError(f"{flag(name)}: fine-tuning keeps the base model's tokenizer and sizes; drop it")
-        kept = (*ARCHITECTURE, *shaping_fields(base))  # aft_full's window, for one, is its training length
-        changed = [name for name in kept if getattr(self, name) not in (None, getattr(base, name))]
-        if changed:
-            name = changed[0]
-            raise AftgenError(
-                f"{flag(name)} {getattr(self, name)} contradicts the base model ({name} {getattr(base, name)}); "
-                f"fine-tuning keeps the base model's architecture and tokenizer: drop {flag(name)}"
-            )
+        names = ("glob", "held_out", "skip_bad_files", "encoding", "errors", "vocab_size", "tokenizer_type")
+        return CorpusOptions(**self.given(names))
 
     def to_dict(self) -> dict:
         """The options as training.json records them."""
@@ -161,36 +202,30 @@ class TrainOptions:
         return recorded | {"out": str(self.run_folder)}
 
     def check(self) -> None:
-        """Refuse out-of-range values before any work is done."""
+        """Refuse what the user gave out of its range or table, before any work is done (aftgen.training.plan
+        checks the run's settled whole: the model's sizes together, against the corpus and the base model)."""
         check_seed(self.seed)
-        if self.batch_size is not None and self.batch_size > MAX_BATCH_SIZE:
-            raise AftgenError(f"--batch-size must be at most {MAX_BATCH_SIZE}, got {self.batch_size}")
-        for name in ("lr", "max_steps", "eval_interval", "eval_windows", "vocab_size"):
-            if getattr(self, name) is not None and not getattr(self, name) > 0:
-                raise AftgenError(f"{flag(name)} must be positive, got {getattr(self, name)}")
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "patience"):
-            if getattr(self, name) is not None and not getattr(self, name) >= 0:
-                raise AftgenError(f"{flag(name)} must not be negative, got {getattr(self, name)}")
-        if self.ema is not None and not 0 <= self.ema < 1:
-            raise AftgenError(f"--ema must be in [0, 1) (0 turns it off; 0.99 to 0.999 are usual), got {self.ema}")
+        for name, (_, _, declaration) in declared(TrainOptions).items():
+            value = getattr(self, name)
+            if declaration.range is not None and value is not None and value not in declaration.range:
+                raise AftgenError(f"{flag(name)} must {_words(declaration.range, value)}, got {value}")
+        for name, allowed in CHOICES.items():
+            if name != "tokenizer_type" and getattr(self, name) is not None:  # the corpus options' check has it
+                _one_of(flag(name), getattr(self, name), allowed)
         if self.patience and self.keep_best is False:
             raise AftgenError("--patience needs --keep-best, so that the run publishes the best weights, not the last")
-        if self.max_time is not None and not self.max_time > 0:
-            raise AftgenError(f"--max-time must be positive, got {self.max_time}")
-        if self.optimizer is not None:
-            _one_of("--optimizer", self.optimizer, OPTIMIZERS)
         _one_of("--device", self.device.split(":")[0], DEVICES, shown=self.device)
         _one_of("--dtype", self.dtype, ("auto", *DTYPES))
-        _one_of("--weights-dtype", self.weights_dtype, tuple(WEIGHT_DTYPES))
         self.corpus_options().check()
-        if self.init_from:
-            return  # the sizes come from the base model, checked against it once it is read (resolved)
-        settings = self.resolved()
-        _one_of("--mixer", settings["mixer"], tuple(MIXERS))
-        for name in ("batch_size", "n_layer", "n_embd", "n_head", "context_length"):
-            if settings[name] <= 0:
-                raise AftgenError(f"{flag(name)} must be positive, got {settings[name]}")
-        AFTConfig(vocab_size=self.vocab_size, **{k: settings[k] for k in MODEL_FIELDS})  # window <= context, ...
+
+
+def _words(allowed: Range, value: float) -> str:
+    """What a value outside `allowed` must be, as a person says it ("be positive", "be at most 65536")."""
+    if value in Range(allowed.low, open_low=allowed.open_low):  # too high
+        return f"be {allowed}" if allowed.open_high else f"be at most {allowed.high}"
+    if allowed.low == 0:
+        return "be positive" if allowed.open_low else "not be negative"
+    return f"be {allowed}"
 
 
 def _one_of(option: str, value: str, allowed: tuple[str, ...], shown: str | None = None) -> None:

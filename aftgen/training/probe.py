@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +13,7 @@ from aftgen import cores
 from aftgen.device import DTYPES, Placement, synchronize
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.training import recipe
-from aftgen.training.options import MODEL_FIELDS, TrainOptions
+from aftgen.training.options import TrainOptions
 
 WARM_UP_STEPS, TIMED_STEPS = 2, 3
 DTYPE_ROUNDS = 2
@@ -55,41 +54,40 @@ def tokens_per_s(config: AFTConfig, batch_size: int, placement: Placement, steps
         return steps * batch_size * config.context_length / (time.perf_counter() - start)
 
 
-def plan(options: TrainOptions, train_tokens: int, vocab_size: int, placement: Placement) -> recipe.Recipe:
-    """The recipe for a fresh run (recipe.choose), measuring this machine's speed as it goes (a few
-    seconds, before the budget's clock starts)."""
-    presets = (options.preset or "small",) if options.sizes_given else recipe.CANDIDATES
-    dtype = _dtype(options, presets[0], vocab_size, placement)
+def choose_recipe(
+    options: TrainOptions,
+    train_tokens: int,
+    presets: tuple[str, ...],
+    sized: Callable[[str], tuple[AFTConfig, int]],
+    placement: Placement,
+) -> recipe.Recipe:
+    """The recipe for a fresh run (recipe.choose) among `presets`, measuring this machine's speed as it goes (a
+    few seconds, before the budget's clock starts); `sized(preset)`: the model and batch size the run would train."""
+    dtype = _dtype(options.dtype, sized(presets[0]), placement)
     chosen = Placement(placement.device, DTYPES[dtype])
 
     def speed(preset: str) -> float:
-        return tokens_per_s(*_model(options, preset, vocab_size), chosen)
+        return tokens_per_s(*sized(preset), chosen)
 
     def step_tokens(preset: str) -> int:
-        config, batch_size = _model(options, preset, vocab_size)
+        config, batch_size = sized(preset)
         return batch_size * config.context_length
 
+    vocab_size = sized(presets[0])[0].vocab_size
     return recipe.choose(
         train_tokens, vocab_size, options.max_time, options.max_steps, speed, presets, dtype, step_tokens
     )
 
 
-def _dtype(options: TrainOptions, preset: str, vocab_size: int, placement: Placement) -> str:
+def _dtype(dtype: str, model: tuple[AFTConfig, int], placement: Placement) -> str:
     """--dtype, or with auto: the device's choice, except on a CPU, where bf16 autocast wins only where
     measured faster (it is on CPUs with bf16 matrix units, and slower on the rest)."""
-    if options.dtype != "auto" or placement.device.type != "cpu":
-        return next(name for name, dtype in DTYPES.items() if dtype == placement.dtype)
-    model = _model(options, preset, vocab_size)
+    if dtype != "auto" or placement.device.type != "cpu":
+        return next(name for name, torch_dtype in DTYPES.items() if torch_dtype == placement.dtype)
     # Each measured twice, in turn, and its best kept: one slow measurement (a busy moment) once chose fp32
     # on a machine where bf16 trains 1.5 times as fast.
     speeds = dict.fromkeys((torch.float32, torch.bfloat16), 0.0)
     for _ in range(DTYPE_ROUNDS):
-        for dtype in speeds:
-            speeds[dtype] = max(speeds[dtype], tokens_per_s(*model, Placement(placement.device, dtype)))
+        for candidate in speeds:
+            speeds[candidate] = max(speeds[candidate], tokens_per_s(*model, Placement(placement.device, candidate)))
     return "bf16" if speeds[torch.bfloat16] >= recipe.FASTER_ENOUGH * speeds[torch.float32] else "fp32"
-
-
-def _model(options: TrainOptions, preset: str, vocab_size: int) -> tuple[AFTConfig, int]:
-    """The config and batch size of `preset` with the user's sizes laid over it."""
-    settings = replace(options, preset=preset, activation=options.activation or recipe.ACTIVATION).resolved()
-    return AFTConfig(vocab_size=vocab_size, **{name: settings[name] for name in MODEL_FIELDS}), settings["batch_size"]

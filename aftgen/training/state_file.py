@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from aftgen.checkpoint import safetensors_metadata
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_write, is_count
 from aftgen.model import AFTLM
-from aftgen.record import TRAINING_STATE
+from aftgen.record import TRAINING_STATE, read_run_files
 from aftgen.training.options import MODEL_FIELDS
 
 
@@ -43,6 +44,29 @@ def save_training_state(
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": g["params"]} for g in opt["param_groups"]]
     metadata = {"info": json.dumps(info), "param_groups": json.dumps(groups)}
     atomic_write(folder / TRAINING_STATE, save_safetensors(tensors, metadata=metadata))
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a resumed run reads of its folder: the state file's header (which alone describes the run) and
+    the held-out checks up to its step."""
+
+    step: int
+    options: dict  # what the run ran with, as training.json records them
+    settings: dict  # its model sizes and batch size, as recorded (aftgen.training.plan turns them into a Plan)
+    recipe: dict | None
+    base_model: dict | None
+    best: dict | None
+    world_size: int
+    metrics: list[dict]
+
+    @classmethod
+    def read(cls, path: Path) -> Resumed:
+        saved, _ = read_training_info(path)
+        # checks past the checkpoint (a save that failed, a kill before it) are made again: never twice
+        metrics = [row for row in read_run_files(path)[1] if row["step"] <= saved["step"]]
+        return cls(saved["step"], saved.get("options") or {}, saved["settings"], saved.get("recipe"),
+                   saved.get("base_model"), saved.get("best"), saved.get("world_size", 1), metrics)  # fmt: skip
 
 
 def _bad_training_state(path: Path, reason: object) -> AftgenError:

@@ -1,0 +1,190 @@
+"""A training run's plan: every setting of the run decided in one place, once, before its first step.
+
+`settle` takes the user's options (TrainOptions: None is "not given"), the prepared corpus and where the run
+starts (fresh, a base model to fine-tune, or a resumed run's record). An option the user did not give takes
+its value from the first of these layers that has it, in this order:
+
+1. the user's options;
+2. a resumed run's record: the options it ran with, and its model and batch size, which stay as they were;
+3. fine-tuning: FINE_TUNE_DEFAULTS (and FINE_TUNE_STEPS without a budget), the base model's architecture, and
+   its run's batch size (`base_batch_size`);
+4. a fresh run: the recipe (recipe.py: rank 0 measures the machine, the other processes follow it), and the
+   data options' defaults (CorpusOptions);
+5. the preset's sizes and batch size (model.PRESETS), under them AFTConfig's defaults.
+
+The result is checked once (the model's sizes together, and against the corpus) and frozen: the loop, the
+optimiser and the run folder read the plan and decide nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from aftgen.corpus import CorpusOptions, PreparedCorpus
+from aftgen.device import Placement
+from aftgen.distributed import World
+from aftgen.errors import AftgenError
+from aftgen.mixers import shaping_fields
+from aftgen.model import PRESETS, AFTConfig
+from aftgen.options import flag
+from aftgen.training import probe, recipe
+from aftgen.training.base import BaseModel
+from aftgen.training.options import (
+    ARCHITECTURE,
+    FINE_TUNE_DEFAULTS,
+    FINE_TUNE_STEPS,
+    FRESH_ONLY,
+    MODEL_FIELDS,
+    RECIPE_FIELDS,
+    SIZES,
+    SIZES_PRESET,
+    TrainOptions,
+)
+from aftgen.training.state_file import Resumed
+
+# What a resumed run takes from its record where the user does not give it.
+RESUMED_FIELDS = (*RECIPE_FIELDS, *FINE_TUNE_DEFAULTS, "max_steps", "vocab_size", "tokenizer_type")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A training run, settled: what every part of it reads."""
+
+    options: TrainOptions  # the user's, with every option the run reads filled in
+    config: AFTConfig  # the model
+    batch_size: int  # sequences per step, per process
+    held_out: dict  # what was held out, exactly (aftgen.corpus)
+    recipe: dict | None = None  # what the recipe chose and from what (recipe.Recipe), as training.json records it
+
+    def recorded_settings(self) -> dict:
+        """The model's sizes and the batch size, as training.json and the state file record them ("settings")."""
+        return {name: getattr(self.config, name) for name in MODEL_FIELDS} | {"batch_size": self.batch_size}
+
+
+def settle(
+    options: TrainOptions,
+    corpus: PreparedCorpus,
+    placement: Placement,
+    world: World,
+    base: BaseModel | None = None,
+    resumed: Resumed | None = None,
+    log: Callable[[str], None] = print,
+) -> Plan:
+    """The run's plan: the options the user left out filled from the layers above, in their order, then checked."""
+    vocab_size, chosen = corpus.tokenizer.vocab_size, None
+    if resumed is not None:
+        options = _under(options, {name: resumed.options.get(name) for name in RESUMED_FIELDS})
+        if options.dtype == "auto":
+            options = replace(options, dtype=resumed.options.get("dtype", "auto"))
+    if options.init_from:
+        budget = {} if options.max_steps or options.max_time else {"max_steps": FINE_TUNE_STEPS}
+        options = _under(options, FINE_TUNE_DEFAULTS | budget)
+    elif resumed is None:
+        sized = _fresh_model(options, vocab_size)
+        sized(options.preset or SIZES_PRESET)  # the user's sizes refused before the recipe measures anything
+        chosen = _recipe(options, corpus, placement, world, sized, log)
+        options = _under(
+            options, {"vocab_size": CorpusOptions.vocab_size, "tokenizer_type": CorpusOptions.tokenizer_type}
+        )
+        options = replace(_under(options, _recipe_choices(options, chosen)), dtype=chosen.dtype)
+        log(
+            replace(chosen, **{name: getattr(options, name) for name in RECIPE_FIELDS}).describe(
+                corpus.summary["chars"]
+            )
+        )
+    if resumed is not None:
+        config = AFTConfig(vocab_size=vocab_size, **{name: resumed.settings[name] for name in MODEL_FIELDS})
+        batch_size = resumed.settings["batch_size"]
+    elif base is not None:
+        config, batch_size = _fine_tuned_model(options, base)
+    else:
+        config, batch_size = _fresh_model(options, vocab_size)(options.preset)
+    plan = Plan(
+        options, config, batch_size, corpus.held_out, resumed.recipe if resumed else chosen and chosen.to_dict()
+    )
+    _check(plan, corpus)
+    return plan
+
+
+def _under(options: TrainOptions, values: dict) -> TrainOptions:
+    """`options` with those the user did not give (None) taken from `values` (a lower layer)."""
+    return replace(options, **{name: value for name, value in values.items() if getattr(options, name) is None})
+
+
+def _fresh_model(options: TrainOptions, vocab_size: int) -> Callable[[str], tuple[AFTConfig, int]]:
+    """The model and batch size of a fresh run of a preset: AFTConfig's defaults, the preset over them, the
+    user's sizes over both (the recipe's activation where the user gives none)."""
+
+    def sized(preset: str) -> tuple[AFTConfig, int]:
+        sizes = {name: getattr(AFTConfig, name) for name in ("dropout", "decay", "mixer")} | PRESETS[preset]
+        sizes |= {"activation": recipe.ACTIVATION} | options.given((*MODEL_FIELDS, "batch_size"))
+        batch_size = sizes.pop("batch_size")
+        return AFTConfig(vocab_size=vocab_size, **sizes), batch_size  # AFTConfig refuses sizes that do not fit
+
+    return sized
+
+
+def _recipe(options, corpus: PreparedCorpus, placement: Placement, world: World, sized, log) -> recipe.Recipe:
+    """What the recipe chooses for a fresh run; rank 0 measures the machine, and the others take its choice."""
+    sizes_given = bool(options.given(SIZES))
+    presets = (options.preset or SIZES_PRESET,) if sizes_given else recipe.CANDIDATES
+    chosen = probe.choose_recipe(options, len(corpus.train_ids), presets, sized, placement) if world.main else None
+    shared = world.share_bytes(json.dumps(chosen.to_dict()).encode() if chosen else None)
+    return recipe.Recipe(**json.loads(shared))
+
+
+def _recipe_choices(options: TrainOptions, chosen: recipe.Recipe) -> dict:
+    values = {name: getattr(chosen, name) for name in RECIPE_FIELDS}
+    if options.keep_best is False:
+        values["patience"] = 0  # early stopping publishes the best weights: none without them
+    return values
+
+
+def refuse_changes(options: TrainOptions, base: BaseModel) -> None:
+    """Fine-tuning keeps the base model's tokenizer and architecture: an option saying otherwise is an error (before
+    any work: the loop calls this once the base model is found)."""
+    for name in FRESH_ONLY:
+        if getattr(options, name) is not None and name not in ARCHITECTURE:
+            raise AftgenError(f"{flag(name)}: fine-tuning keeps the base model's tokenizer and sizes; drop it")
+    kept = (*ARCHITECTURE, *shaping_fields(base.config))  # aft_full's window, for one, is its training length
+    changed = [name for name in kept if getattr(options, name) not in (None, getattr(base.config, name))]
+    if changed:
+        name = changed[0]
+        raise AftgenError(
+            f"{flag(name)} {getattr(options, name)} contradicts the base model ({name} {getattr(base.config, name)}); "
+            f"fine-tuning keeps the base model's architecture and tokenizer: drop {flag(name)}"
+        )
+
+
+def _fine_tuned_model(options: TrainOptions, base: BaseModel) -> tuple[AFTConfig, int]:
+    """The base model's architecture (refuse_changes) with the user's dropout and context length; the batch size
+    the user's, else the base's run's."""
+    return replace(base.config, **options.given(MODEL_FIELDS)), options.batch_size or base_batch_size(base)
+
+
+def base_batch_size(base: BaseModel) -> int:
+    """A fine-tuning run's batch size when the user gives none: the one its base model was trained with (its run
+    folder's training.json), else, for a checkpoint alone (one pulled from the Hub), that of the preset nearest it
+    in parameters: a batch sized for the model, as the base's own run would have chosen."""
+    if base.run_batch_size:
+        return base.run_batch_size
+    size = base.config.approximate_parameters()
+    nearest = min(PRESETS, key=lambda preset: abs(math.log(recipe.parameters(preset, base.config.vocab_size) / size)))
+    return PRESETS[nearest]["batch_size"]
+
+
+def _check(plan: Plan, corpus: PreparedCorpus) -> None:
+    """What only the settled whole can fail: the patience its checks need, and one training sequence in the corpus."""
+    options = plan.options
+    if options.patience and not options.keep_best:
+        raise AftgenError("--patience needs --keep-best, so that the run publishes the best weights, not the last")
+    train_tokens, held_out_tokens, length = len(corpus.train_ids), len(corpus.held_out_ids), plan.config.context_length
+    if train_tokens < length + 2 or held_out_tokens < 2:
+        raise AftgenError(
+            f"{shlex.join(map(str, options.sources()))}: too small: {train_tokens} training tokens, fewer than one "
+            f"sequence of {length + 1}; give it more text or pass a smaller --context-length"
+        )
