@@ -161,3 +161,29 @@ def test_pull_fine_tune_push_pull_through_the_hub(tmp_path, corpus, tiny_run):
     lines = missing.stderr.strip().splitlines()
     assert missing.returncode == 2 and len(lines) == 1, missing.stderr
     assert lines[0].startswith("error: carol/absent: not in the Hugging Face cache")
+
+
+def test_fine_tuning_takes_its_base_runs_batch_size_or_for_a_bare_checkpoint_the_nearest_presets(tmp_path, corpus):
+    from aftgen.checkpoint import CHECKPOINT_FILES
+    from aftgen.model import PRESETS
+
+    base = train_tiny(corpus, tmp_path / "base", batch_size=4, max_steps=2)
+    bare = tmp_path / "bare"  # the checkpoint alone, as the Hub serves it: no training.json
+    bare.mkdir()
+    for name in CHECKPOINT_FILES:
+        (bare / name).write_bytes((base / name).read_bytes())
+
+    def batch_size(out) -> int:
+        return json.loads((out / TRAINING_INFO).read_text())["settings"]["batch_size"]
+
+    assert batch_size(fine_tune(corpus, tmp_path / "ft", base, max_steps=2)) == 4
+    assert batch_size(fine_tune(corpus, tmp_path / "ft-bare", bare, max_steps=2)) == PRESETS["tiny"]["batch_size"]
+    assert batch_size(fine_tune(corpus, tmp_path / "ft-given", base, max_steps=2, batch_size=2)) == 2
+
+
+def test_a_resumed_fine_tune_keeps_the_options_it_started_with_over_fine_tunings_defaults(tmp_path, corpus, tiny_run):
+    out = fine_tune(corpus, tmp_path / "ft", tiny_run, max_steps=2, lr=5e-4, eval_interval=1)
+    fine_tune(corpus, out, tiny_run, max_steps=4, eval_interval=None, resume=True)  # no --lr, no --eval-interval
+    options = json.loads((out / TRAINING_INFO).read_text())["options"]
+    assert options["lr"] == 5e-4 != FINE_TUNE_DEFAULTS["lr"] and options["eval_interval"] == 1
+    assert [row["step"] for row in metrics(out)] == [0, 1, 2, 3, 4]

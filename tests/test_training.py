@@ -269,3 +269,40 @@ def test_muon_steps_the_block_matrices_and_adamw_the_rest(tiny_run):
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
     saved = optimizer.state_dict()  # one numbering over both parts, as the training state file stores it
     assert sorted(i for g in saved["param_groups"] for i in g["params"]) == list(range(len(list(model.parameters()))))
+
+
+def test_a_recipe_run_equals_the_run_given_every_setting_it_settled(tmp_path, corpus, tiny_run):
+    """The plan decides what a left-out option is; given explicitly, the same values train the same weights."""
+    from aftgen.training.options import RECIPE_FIELDS
+
+    planned = train_tiny(corpus, tmp_path / "planned", eval_interval=None, eval_windows=None)
+    info = json.loads((planned / TRAINING_INFO).read_text())
+    settled = {name: info["options"][name] for name in (*RECIPE_FIELDS, "eval_interval", "eval_windows", "dtype")}
+    sizes = {name: info["settings"][name] for name in ("n_layer", "n_embd", "n_head", "window", "context_length")}
+    explicit = train_tiny(corpus, tmp_path / "explicit", **settled, **sizes, batch_size=info["settings"]["batch_size"])
+    one, two = load_file(planned / WEIGHTS), load_file(explicit / WEIGHTS)
+    assert one.keys() == two.keys() and all(torch.equal(one[name], two[name]) for name in one)
+    given = json.loads((explicit / TRAINING_INFO).read_text())
+    assert given["settings"] == info["settings"] and given["recipe"]["preset"] == info["recipe"]["preset"]
+
+
+def test_every_train_option_is_declared_once_and_read_by_the_cli_and_the_reference():
+    """`train --help` lists each declared option with its declared default and help, the options whose values
+    come from a table list that table, and docs/reference.md holds the table made from the same declaration."""
+    from pathlib import Path
+
+    import typer
+
+    from aftgen.cli import app
+    from aftgen.options import declared, reference_table
+    from aftgen.training.options import CHOICES, TrainOptions
+
+    options = declared(TrainOptions)
+    command = typer.main.get_command(app).commands["train"]
+    by_name = {parameter.name: parameter for parameter in command.params}
+    for name, (_, default, declaration) in options.items():
+        assert by_name[name].default == default and by_name[name].help == declaration.help, name
+    for name, allowed in CHOICES.items():
+        assert all(value in options[name][2].help for value in allowed), name
+    reference = (Path(__file__).parent.parent / "docs" / "reference.md").read_text(encoding="utf-8")
+    assert reference_table(TrainOptions) in reference, "docs/reference.md's training options are not the declaration's"

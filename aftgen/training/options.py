@@ -1,14 +1,7 @@
 """Everything `aftgen train` can be told: each option's default, range and help declared once, as a field of
-TrainOptions (the command line, the checks, aftgen.training.plan and docs/reference.md read them).
-
-None means "not given". aftgen.training.plan settles such an option from the first of these that has it:
-
-1. a resumed run's record: what the run started with (its model and batch size stay as they were);
-2. fine-tuning (--init-from): FINE_TUNE_DEFAULTS, the base model's architecture, its run's batch size;
-3. a fresh run: the recipe (recipe.py), chosen from the corpus, the budget and the machine, and the
-   data options' defaults (CorpusOptions: vocabulary size, tokenizer type);
-4. the preset (model.PRESETS: sizes and batch size; SIZES_PRESET where the user gives sizes but no
-   preset), then AFTConfig's defaults.
+TrainOptions (the command line, the checks, aftgen.training.plan and docs/reference.md read them), beside the
+tables its values come from. None means "not given": aftgen.training.plan settles such an option, from the layers
+below the user's (a resumed run's record, FINE_TUNE_DEFAULTS, the recipe, the preset) in the order it documents.
 """
 
 from __future__ import annotations
@@ -74,11 +67,11 @@ def _listed(name: str) -> str:
 def _chosen(name: str | None = None) -> str:
     """The default of an option the recipe sets (and fine-tuning's, where it has its own)."""
     fine_tuning = f"; fine-tuning: {FINE_TUNE_DEFAULTS[name]}" if name in FINE_TUNE_DEFAULTS else ""
-    return f" Default: the recipe's{fine_tuning}."
+    return f"Default: the recipe's{fine_tuning}."
 
 
-def _model(help: str | None, range: Range | None = None, name: str | None = None) -> Any:
-    return option(None, help or "", range, MODEL_PANEL, flags=(flag(name),) if name else ())
+def _model(help: str, range: Range | None = None, name: str | None = None) -> Any:
+    return option(None, help, range, MODEL_PANEL, flags=(flag(name),) if name else ())
 
 
 def _training(default: Any, help: str, range: Range | None = None) -> Any:
@@ -101,16 +94,18 @@ class TrainOptions:
         + ".",
         panel=TRAIN_PANEL,
     )
-    preset: str | None = _model(_listed("preset") + "." + _chosen())
-    n_layer: int | None = _model(None, POSITIVE, "n_layer")
-    n_embd: int | None = _model(None, POSITIVE, "n_embd")
-    n_head: int | None = _model(None, POSITIVE, "n_head")
-    mixer: str | None = _model("Token mixer: " + " | ".join(f"{name} ({kind.about})" for name, kind in MIXERS.items()))
-    window: int | None = _model("AFT-local window s.")
-    context_length: int | None = _model("Training sequence length.", POSITIVE)
+    preset: str | None = _model(f"{_listed('preset')}. {_chosen()}")
+    n_layer: int | None = _model("Blocks. Default: the preset's.", POSITIVE, "n_layer")
+    n_embd: int | None = _model("Embedding width. Default: the preset's.", POSITIVE, "n_embd")
+    n_head: int | None = _model("Heads (a divisor of the width). Default: the preset's.", POSITIVE, "n_head")
+    mixer: str | None = _model(
+        "Token mixer: " + " | ".join(f"{name} ({kind.about})" for name, kind in MIXERS.items()) + "."
+    )
+    window: int | None = _model("AFT-local window s. Default: the preset's.")
+    context_length: int | None = _model("Training sequence length. Default: the preset's.", POSITIVE)
     dropout: float | None = _model(_chosen())
     decay: bool | None = _model("Learned decay beyond the window (off: the paper's AFT-local).")
-    activation: str | None = _model("The MLP's: " + _listed("activation") + "." + _chosen())
+    activation: str | None = _model(f"The MLP's: {_listed('activation')}. {_chosen()}")
     max_steps: int | None = _training(None, f"Step budget (default: none; fine-tuning: {FINE_TUNE_STEPS}).", POSITIVE)
     # seconds, or a duration such as "10m" (the command line passes it as text)
     max_time: float | str | None = _training(
@@ -124,37 +119,39 @@ class TrainOptions:
         "Sequences per step. Default: the preset's; fine-tuning: the base model's run's.",
         Range(0, MAX_BATCH_SIZE, open_low=True),
     )
-    lr: float | None = _training(None, "Peak learning rate." + _chosen("lr"), POSITIVE)
+    lr: float | None = _training(None, "Peak learning rate. " + _chosen("lr"), POSITIVE)
     min_lr_ratio: float = 0.1  # where the cosine decay ends, as a fraction of lr (not a command-line option)
     warmup_steps: int | None = _training(None, _chosen("warmup_steps"), NOT_NEGATIVE)
     weight_decay: float | None = _training(None, _chosen(), NOT_NEGATIVE)
-    grad_clip: float = _training(1.0, "", NOT_NEGATIVE)
+    grad_clip: float = _training(1.0, "Clip the gradients' norm to this (0: off).", NOT_NEGATIVE)
     optimizer: str | None = _training(
-        None, f"{_listed('optimizer')} (Muon for the blocks' matrices, AdamW for the rest)." + _chosen("optimizer")
+        None, f"{_listed('optimizer')} (Muon for the blocks' matrices, AdamW for the rest). " + _chosen("optimizer")
     )
     ema: float | None = _training(
         None,
-        "Check and publish an exponential moving average of the weights with this decay (e.g. 0.995); 0: off."
+        "Check and publish an exponential moving average of the weights with this decay (e.g. 0.995); 0: off. "
         + _chosen(),
         Range(0, 1, open_high=True),
     )
     eval_interval: int | None = _training(
-        None, "Steps between held-out evals and checkpoints." + _chosen("eval_interval"), POSITIVE
+        None, "Steps between held-out evals and checkpoints. " + _chosen("eval_interval"), POSITIVE
     )
-    eval_windows: int | None = _training(None, "Held-out windows each eval scores." + _chosen("eval_windows"), POSITIVE)
+    eval_windows: int | None = _training(
+        None, "Held-out windows each eval scores. " + _chosen("eval_windows"), POSITIVE
+    )
     keep_best: bool | None = _training(
-        None, "Publish the weights that scored best on the held-out eval, not the latest." + _chosen("keep_best")
+        None, "Publish the weights that scored best on the held-out eval, not the latest. " + _chosen("keep_best")
     )
     patience: int | None = _training(
         None,
-        "Stop after this many held-out evals without a new best (needs --keep-best); 0: run the whole budget."
+        "Stop after this many held-out evals without a new best (needs --keep-best); 0: run the whole budget. "
         + _chosen(),
         NOT_NEGATIVE,
     )
     weights_dtype: str = _training(
         "fp32", f"{_listed('weights_dtype')}: precision of model.safetensors (fp16 halves it)."
     )
-    seed: int = _training(1337, "")
+    seed: int = _training(1337, "Seeds the weights, the batches and dropout.")
     vocab_size: int | None = option(
         None, f"Default: {CorpusOptions.vocab_size} (fine-tuning: the base model's).", POSITIVE, DATA_PANEL
     )

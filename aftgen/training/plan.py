@@ -75,39 +75,47 @@ def settle(
     log: Callable[[str], None] = print,
 ) -> Plan:
     """The run's plan: the options the user left out filled from the layers above, in their order, then checked."""
-    vocab_size, chosen = corpus.tokenizer.vocab_size, None
+    options, chosen = _layered(options, corpus, placement, world, resumed, log)
+    config, batch_size = _model(options, corpus.tokenizer.vocab_size, base, resumed)
+    recorded_recipe = resumed.recipe if resumed else chosen and chosen.to_dict()
+    plan = Plan(options, config, batch_size, corpus.held_out, recorded_recipe)
+    _check(plan, corpus)
+    return plan
+
+
+def _layered(options, corpus, placement, world, resumed, log) -> tuple[TrainOptions, recipe.Recipe | None]:
+    """The options with those the user left out taken from the layers below, in order; and the recipe, if one
+    was chosen (a fresh run)."""
     if resumed is not None:
         options = _under(options, {name: resumed.options.get(name) for name in RESUMED_FIELDS})
         if options.dtype == "auto":
             options = replace(options, dtype=resumed.options.get("dtype", "auto"))
     if options.init_from:
         budget = {} if options.max_steps or options.max_time else {"max_steps": FINE_TUNE_STEPS}
-        options = _under(options, FINE_TUNE_DEFAULTS | budget)
-    elif resumed is None:
-        sized = _fresh_model(options, vocab_size)
-        sized(options.preset or SIZES_PRESET)  # the user's sizes refused before the recipe measures anything
-        chosen = _recipe(options, corpus, placement, world, sized, log)
-        options = _under(
-            options, {"vocab_size": CorpusOptions.vocab_size, "tokenizer_type": CorpusOptions.tokenizer_type}
-        )
-        options = replace(_under(options, _recipe_choices(options, chosen)), dtype=chosen.dtype)
-        log(
-            replace(chosen, **{name: getattr(options, name) for name in RECIPE_FIELDS}).describe(
-                corpus.summary["chars"]
-            )
-        )
+        return _under(options, FINE_TUNE_DEFAULTS | budget), None
     if resumed is not None:
-        config = AFTConfig(vocab_size=vocab_size, **{name: resumed.settings[name] for name in MODEL_FIELDS})
-        batch_size = resumed.settings["batch_size"]
-    elif base is not None:
-        config, batch_size = _fine_tuned_model(options, base)
-    else:
-        config, batch_size = _fresh_model(options, vocab_size)(options.preset)
-    plan = Plan(
-        options, config, batch_size, corpus.held_out, resumed.recipe if resumed else chosen and chosen.to_dict()
-    )
-    _check(plan, corpus)
-    return plan
+        return options, None
+    sized = _fresh_model(options, corpus.tokenizer.vocab_size)
+    sized(options.preset or SIZES_PRESET)  # the user's sizes refused before the recipe measures anything
+    chosen = _recipe(options, corpus, placement, world, sized)
+    corpus_defaults = {"vocab_size": CorpusOptions.vocab_size, "tokenizer_type": CorpusOptions.tokenizer_type}
+    options = replace(_under(options, corpus_defaults | _recipe_choices(options, chosen)), dtype=chosen.dtype)
+    given = replace(chosen, **{name: getattr(options, name) for name in RECIPE_FIELDS})
+    log(given.describe(corpus.summary["chars"]))  # what will run: the recipe, with the user's options
+    return options, chosen
+
+
+def _model(
+    options: TrainOptions, vocab_size: int, base: BaseModel | None, resumed: Resumed | None
+) -> tuple[AFTConfig, int]:
+    """The model and batch size: a resumed run's own, a base model's architecture, or a fresh run's preset; the
+    user's sizes over the last two."""
+    if resumed is not None:
+        sizes = {name: resumed.settings[name] for name in MODEL_FIELDS}
+        return AFTConfig(vocab_size=vocab_size, **sizes), resumed.settings["batch_size"]
+    if base is not None:
+        return replace(base.config, **options.given(MODEL_FIELDS)), options.batch_size or base_batch_size(base)
+    return _fresh_model(options, vocab_size)(options.preset)
 
 
 def _under(options: TrainOptions, values: dict) -> TrainOptions:
@@ -128,7 +136,7 @@ def _fresh_model(options: TrainOptions, vocab_size: int) -> Callable[[str], tupl
     return sized
 
 
-def _recipe(options, corpus: PreparedCorpus, placement: Placement, world: World, sized, log) -> recipe.Recipe:
+def _recipe(options, corpus: PreparedCorpus, placement: Placement, world: World, sized) -> recipe.Recipe:
     """What the recipe chooses for a fresh run; rank 0 measures the machine, and the others take its choice."""
     sizes_given = bool(options.given(SIZES))
     presets = (options.preset or SIZES_PRESET,) if sizes_given else recipe.CANDIDATES
@@ -158,12 +166,6 @@ def refuse_changes(options: TrainOptions, base: BaseModel) -> None:
             f"{flag(name)} {getattr(options, name)} contradicts the base model ({name} {getattr(base.config, name)}); "
             f"fine-tuning keeps the base model's architecture and tokenizer: drop {flag(name)}"
         )
-
-
-def _fine_tuned_model(options: TrainOptions, base: BaseModel) -> tuple[AFTConfig, int]:
-    """The base model's architecture (refuse_changes) with the user's dropout and context length; the batch size
-    the user's, else the base's run's."""
-    return replace(base.config, **options.given(MODEL_FIELDS)), options.batch_size or base_batch_size(base)
 
 
 def base_batch_size(base: BaseModel) -> int:
