@@ -44,6 +44,7 @@ EVAL_WINDOWS = 100  # windows each check scores: fewer let noise end a run early
 PATIENCE = 3
 FASTER_ENOUGH = 1.15  # bf16 autocast is chosen on a CPU only when measured at least this much faster
 # aftgen's defaults before it had a recipe, spelled out: for comparing other things (mixers) at fixed settings.
+# `aftgen bench mixers` gives them as the user's own options, so they win over every default (training/plan.py).
 FIXED = {"preset": "small", "activation": "gelu", "optimizer": "adamw", "dropout": 0.0,
          "weight_decay": 0.1, "ema": 0.0, "lr": 2e-3, "warmup_steps": 100, "keep_best": False,
          "patience": 0}  # fmt: skip
