@@ -192,6 +192,28 @@ def test_max_time_stops_the_run_and_its_schedule_follows_the_clock(tmp_path, cor
     # By steps alone (step / 10**6) the schedule would not have left the peak.
     assert rates[-1] < lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * 0.9)))
 
+    # training.json: what the recipe's probe planned, and tokens/s over the whole run from its steps, batch and time.
+    speed, settings = info["speed"], info["settings"]
+    tokens = info["step"] * settings["batch_size"] * settings["context_length"]
+    assert speed["planned_tokens_per_s"] == info["recipe"]["tokens_per_s"] > 0
+    assert speed["measured_tokens_per_s"] == pytest.approx(tokens / info["elapsed"], rel=1e-3)
+
+
+def test_dropout_keeps_each_value_with_one_minus_p_scaled_up_and_its_gradient_too():
+    from aftgen.model import Dropout
+
+    torch.manual_seed(0)
+    layer, x = Dropout(0.3), torch.ones(200_000, requires_grad=True)
+    y = layer(x)
+    kept = y != 0
+    assert kept.float().mean().item() == pytest.approx(0.7, abs=0.005)
+    torch.testing.assert_close(y[kept], torch.full_like(y[kept], 1 / 0.7))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, y.detach())  # the same mask scales the gradient
+    torch.manual_seed(0)
+    assert torch.equal(layer(x), y)  # drawn from torch's seeded generator (a resumed run restores it)
+    assert layer.eval()(x) is x and Dropout(0.0)(x) is x
+
 
 def test_no_decay_trains_the_papers_aft_local(tmp_path, corpus, tiny_run):
     from typer.testing import CliRunner

@@ -104,7 +104,22 @@ class RunFolder:
         return sum(row["step"] > self.best["step"] for row in self.metrics) if self.best else 0
 
     def info(self, step: int, elapsed: float) -> dict:
-        return self.description | {"step": step, "elapsed": elapsed, "best": self.best}
+        return self.description | {
+            "step": step,
+            "elapsed": elapsed,
+            "best": self.best,
+            "speed": self.speed(step, elapsed),
+        }
+
+    def speed(self, step: int, elapsed: float) -> dict:
+        """Training tokens/s: what the recipe's probe planned (None without a recipe) and what the run measured over
+        its whole time (checks and saves included), so a plan the run does not reach shows."""
+        tokens = step * self.plan.batch_size * self.world.size * self.plan.config.context_length
+        planned = self.plan.recipe.get("tokens_per_s") if self.plan.recipe else None
+        return {
+            "planned_tokens_per_s": planned,
+            "measured_tokens_per_s": round(tokens / elapsed, 1) if elapsed else None,
+        }
 
     def save(self, training: TrainingState, tokenizer: Tokenizer, elapsed: float, improved: bool = False) -> None:
         """The training state first (it alone is enough to resume), the weights, training.json last.
