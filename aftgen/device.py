@@ -2,8 +2,10 @@
 
 `--device auto` picks CUDA, then Apple's MPS, then the CPU. `--dtype auto` picks bf16 autocast on
 GPUs that have it (fp16 on older CUDA GPUs) and fp32 elsewhere: CPU autocast is often slower than
-fp32 on CPUs without bf16 matrix units. Weights always stay fp32; autocast only lowers the precision
-of matmuls, and the AFT mixer switches it off for its exp/sum accumulations.
+fp32 on CPUs without bf16 matrix units. Autocast only lowers the precision of matmuls, and the AFT
+mixer switches it off for its exp/sum accumulations. Generating on a CPU is the exception: there bf16
+(the default where the CPU has bf16 units) stores the weights in bf16 instead (aftgen.layers), since
+autocast would recast every fp32 weight at every token.
 """
 
 from __future__ import annotations
@@ -24,17 +26,19 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What --device and --dtype say in every command's --help, from the tables above.
 DEVICE_HELP = f"{' | '.join(DEVICES)} (cuda:N: the Nth GPU). auto: CUDA, then MPS, then CPU."
 DTYPE_HELP = (
-    f"{' | '.join(('auto', *DTYPES))}: mixed-precision autocast (weights stay fp32). auto: bf16 on GPUs that have it, "
-    "else fp32."
+    f"{' | '.join(('auto', *DTYPES))}: mixed-precision autocast. auto: bf16 on GPUs that have it, else fp32; "
+    "generating on a CPU, bf16 stores the weights in bf16 (auto: where the CPU has bf16 units)."
 )
 
 
 @dataclass(frozen=True)
 class Placement:
-    """A device and the dtype autocast computes in there (float32: no autocast)."""
+    """A device, the dtype autocast computes in there (float32: no autocast), and the dtype the model's
+    matrices are stored in (AFTLM.lower_weights)."""
 
     device: torch.device
     dtype: torch.dtype = torch.float32
+    weights: torch.dtype = torch.float32
 
     @property
     def mixed(self) -> bool:
@@ -51,7 +55,12 @@ class Placement:
         return next(k for k, v in DTYPES.items() if v == self.dtype)
 
     def describe(self) -> str:
-        return f"{self.device} {self.dtype_name}"
+        lowered = f" ({next(k for k, v in DTYPES.items() if v == self.weights)} weights)" if self.lowered else ""
+        return f"{self.device} {self.dtype_name}{lowered}"
+
+    @property
+    def lowered(self) -> bool:
+        return self.weights != torch.float32
 
 
 def _mps_available() -> bool:
@@ -90,9 +99,19 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def resolve(device: str | torch.device = "auto", dtype: str = "auto", local_rank: int = 0) -> Placement:
-    """The one place every command turns --device / --dtype into a Placement."""
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), rather than by conversion."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def resolve(
+    device: str | torch.device = "auto", dtype: str = "auto", local_rank: int = 0, generating: bool = False
+) -> Placement:
+    """The one place every command turns --device / --dtype into a Placement. `generating`: for a command
+    that generates text, where bf16 on a CPU stores the weights in bf16 rather than autocasting."""
     where = pick_device(device, local_rank)
+    if generating and where.type == "cpu" and (dtype == "bf16" or (dtype == "auto" and cpu_has_bf16())):
+        return Placement(where, weights=torch.bfloat16)
     placement = Placement(where, pick_dtype(dtype, where))
     if where.type == "cuda":
         torch.cuda.set_device(where)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from aftgen.device import Compiled, failure_line
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_open, cache_dir
+from aftgen.layers import Linear, linear
 from aftgen.mixers import MIXERS, MixerState, make_mixer
 
 ModelState = list[MixerState]  # one mixer state per layer
@@ -41,6 +42,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "relu2": lambda x: F.relu(x).square(),
 }
+
 
 class Dropout(nn.Module):
     """nn.Dropout with a cheaper mask on a CPU, where torch's bernoulli_ draws one number per element: nine of them
@@ -166,8 +168,8 @@ def _type_name(annotation: object) -> str:
 class MLP(nn.Module):
     def __init__(self, config: AFTConfig):
         super().__init__()
-        self.up = nn.Linear(config.n_embd, config.mlp_ratio * config.n_embd)
-        self.proj = nn.Linear(config.mlp_ratio * config.n_embd, config.n_embd)
+        self.up = Linear(config.n_embd, config.mlp_ratio * config.n_embd)
+        self.proj = Linear(config.mlp_ratio * config.n_embd, config.n_embd)
         self.activation = ACTIVATIONS[config.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,6 +201,7 @@ class AFTLM(nn.Module):
     def __init__(self, config: AFTConfig):
         super().__init__()
         self.config = config
+        self.trained_sha256: str | None = None  # set once generation stores the matrices lower
         self.embed = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_out = nn.LayerNorm(config.n_embd)
@@ -225,12 +228,38 @@ class AFTLM(nn.Module):
         kept = {id(p) for p in decayed}
         return decayed, [p for p in self.parameters() if id(p) not in kept]
 
+    def weights_sha256(self) -> str:
+        """SHA-256 over every tensor's name, dtype, shape and bytes, in name order, as trained: a model whose
+        matrices generation stored lower keeps the hash it had (a state file names its model by it)."""
+        if self.trained_sha256 is not None:
+            return self.trained_sha256
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.state_dict().items()):
+            tensor = tensor.detach().cpu().contiguous()
+            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        return digest.hexdigest()
+
+    def lower_weights(self, dtype: torch.dtype) -> AFTLM:
+        """Store the matrices (every Linear's weight and the tied embedding) in `dtype`, for generation
+        (aftgen.layers says why); the rest stays float32. Returns the model, changed in place."""
+        if dtype != torch.float32 and self.trained_sha256 is None:
+            self.trained_sha256 = self.weights_sha256()
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.dtype != dtype:
+                module.weight = nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
+        return self
+
+    def _embedded(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings of ids, in float32 however the table is stored; ids may come from the CPU."""
+        return self.embed(ids.to(self.embed.weight.device)).float()
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.ln_out(x), self.embed.weight)  # tied input/output embeddings
+        return linear(self.ln_out(x), self.embed.weight)  # tied input/output embeddings
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, vocab) for token ids (B, T), read in parallel from an empty context."""
-        x = self.dropout(self.embed(ids))
+        x = self.dropout(self._embedded(ids))
         for block in self.blocks:
             x, _ = block(x)
         return self._logits(x)
@@ -250,7 +279,7 @@ class AFTLM(nn.Module):
         nothing else. The last block then needs every token's keys and values (for the state) but
         its mixer output and MLP for the last token alone (llama.cpp skips them too).
         """
-        x = self.embed(ids.to(self.embed.weight.device))  # ids may come from the CPU
+        x = self._embedded(ids)
         states = state or [None] * len(self.blocks)
         new_states = []
         for depth, (block, layer_state) in enumerate(zip(self.blocks, states, strict=True)):
@@ -263,7 +292,7 @@ class AFTLM(nn.Module):
     @torch.no_grad()
     def step(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         """Feed one token per sequence, ids (B,); return logits (B, vocab). Updates `state` in place."""
-        x = self.embed(ids.to(self.embed.weight.device))
+        x = self._embedded(ids)
         for block, layer_state in zip(self.blocks, state, strict=True):
             x = block.step(x, layer_state)
         return self._logits(x), state
@@ -424,14 +453,16 @@ def _package_step(model: AFTLM, max_batch: int, path: Path) -> None:
 
 def _step_key(model: AFTLM, max_batch: int) -> str:
     """What a compiled step depends on: the architecture, the batch range, the step's code, torch, the
-    machine's instruction set or GPU, and autocast. Not the weights: the package takes them at every call."""
+    machine's instruction set or GPU, autocast and the weights' dtype. Not the weights: the package takes them
+    at every call."""
     device = model.embed.weight.device
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
     facts = [STEP_PACKAGE_FORMAT, model.config.to_dict(), max_batch, str(device), hardware, str(autocast),
-             torch.__version__, STEP_PACKAGE_CONFIG]  # fmt: skip
+             str(model.embed.weight.dtype), torch.__version__, STEP_PACKAGE_CONFIG]  # fmt: skip
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
-    for source in sorted([Path(__file__), *Path(__file__).parent.glob("mixers/*.py")]):  # the code the step runs
+    here = Path(__file__).parent
+    for source in sorted([Path(__file__), here / "layers.py", *here.glob("mixers/*.py")]):  # the code the step runs
         digest.update(source.read_bytes())
     return digest.hexdigest()[:20]
 

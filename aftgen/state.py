@@ -30,16 +30,6 @@ PENDING_BYTES = 8  # an unfinished character is at most 3 bytes, plus a held 3-b
 NO_TOKEN = -1  # pads the recent-token slots of a short history
 
 
-def weights_hash(model: AFTLM) -> str:
-    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        tensor = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
-
-
 def tokenizer_hash(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(tokenizer.model_proto).hexdigest()
 
@@ -59,7 +49,7 @@ def save_state(path: Path | str, context: Context, model: AFTLM, tokenizer: Toke
     metadata = {
         "format": FORMAT,
         "version": VERSION,
-        "weights_sha256": weights_hash(model),
+        "weights_sha256": model.weights_sha256(),
         "tokenizer_sha256": tokenizer_hash(tokenizer),
     }
     atomic_write(path, save_safetensors({name: t.cpu() for name, t in tensors.items()}, metadata=metadata))
@@ -151,7 +141,7 @@ def _check_origin(path: Path, metadata: dict, model: AFTLM, tokenizer: Tokenizer
             f"{path}: state file version {metadata.get('version')!r} is not supported (expected {VERSION})"
         )
     for what, saved, ours in (
-        ("model weights", metadata.get("weights_sha256"), weights_hash(model)),
+        ("model weights", metadata.get("weights_sha256"), model.weights_sha256()),
         ("tokenizer", metadata.get("tokenizer_sha256"), tokenizer_hash(tokenizer)),
     ):
         if saved != ours:

@@ -138,3 +138,24 @@ def test_fresh_heads_range_from_the_last_token_to_the_whole_window():
     assert share[-1, 0] > 0.5  # the sharpest head mostly reads the newest token
     assert share[0, 0] < 0.2  # the broadest spreads over the window
     assert (mixer.w >= 0).all()  # never below the weight of what lies beyond the window
+
+
+def test_weights_stored_in_bf16_generate_as_float32_ones_do_and_keep_the_trained_hash():
+    """Generation on a CPU may store the matrices in bf16 (AFTLM.lower_weights): the logits stay close to the
+    float32 model's, the step still agrees with the parallel form, and a state file still names the model
+    it was trained as."""
+    model = tiny_model().eval()
+    ids = on_device(torch.randint(0, 50, (2, 40), generator=torch.Generator().manual_seed(2)))
+    with torch.inference_mode():
+        trained_hash, exact = model.weights_sha256(), model(ids)
+        model.lower_weights(torch.bfloat16)
+        lowered = model(ids)
+        state = model.initial_state(2)
+        stepped = torch.stack([model.step(ids[:, t], state)[0] for t in range(ids.shape[1])], dim=1)
+    assert model.embed.weight.dtype == model.blocks[0].mlp.up.weight.dtype == torch.bfloat16
+    assert model.blocks[0].mlp.up.bias.dtype == torch.float32
+    assert model.weights_sha256() == trained_hash
+    assert lowered.dtype == torch.float32
+    torch.testing.assert_close(lowered, exact, rtol=0, atol=0.05)  # bf16 keeps 8 bits of each weight
+    assert not torch.equal(lowered, exact)
+    torch.testing.assert_close(stepped, lowered, rtol=1e-4, atol=1e-4)

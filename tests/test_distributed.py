@@ -176,6 +176,19 @@ def test_missing_device_is_a_clear_error(tiny_run):
         resolve("cpu", "fp8")
 
 
+def test_generating_on_a_cpu_bf16_stores_the_weights_lower_instead_of_autocasting(monkeypatch):
+    import aftgen.device
+
+    assert resolve("cpu", "bf16", generating=True) == Placement(torch.device("cpu"), weights=torch.bfloat16)
+    assert resolve("cpu", "bf16") == Placement(torch.device("cpu"), torch.bfloat16)  # training autocasts
+    assert resolve("cpu", "fp32", generating=True) == Placement(torch.device("cpu"))
+    for has_bf16 in (True, False):
+        monkeypatch.setattr(aftgen.device, "cpu_has_bf16", lambda has_bf16=has_bf16: has_bf16)
+        auto = resolve("cpu", "auto", generating=True)
+        assert auto.weights == (torch.bfloat16 if has_bf16 else torch.float32) and auto.dtype == torch.float32
+    assert "bf16 weights" in resolve("cpu", "bf16", generating=True).describe()
+
+
 def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
     def broken_compile(module):
         def call(*args, **kwargs):

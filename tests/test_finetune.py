@@ -21,7 +21,6 @@ from aftgen.cli import app
 from aftgen.errors import AftgenError
 from aftgen.model import AFTConfig
 from aftgen.record import TRAINING_INFO
-from aftgen.state import weights_hash
 from aftgen.training.base import BaseModel
 from aftgen.training.loop import TrainingInterrupted
 from aftgen.training.options import FINE_TUNE_DEFAULTS, TrainOptions
@@ -95,7 +94,7 @@ def test_fine_tuning_starts_from_the_base_and_logs_its_score_as_step_0(tmp_path,
     assert rows[0]["train_loss"] is None and rows[0]["held_out_nats_per_char"] > rows[-1]["held_out_nats_per_char"]
     info = json.loads((out / TRAINING_INFO).read_text())
     assert info["base_model"]["model"] == str(tiny_run)
-    assert info["base_model"]["weights_sha256"] == weights_hash(base)
+    assert info["base_model"]["weights_sha256"] == base.weights_sha256()
     assert {name: info["options"][name] for name in FINE_TUNE_DEFAULTS} == FINE_TUNE_DEFAULTS | {"eval_interval": 2}
     assert "fine-tuned from" in (out / "README.md").read_text()
 
@@ -126,7 +125,7 @@ def test_fine_tuning_from_fp16_weights(tmp_path, corpus, tiny_run):
     half = train_tiny(corpus, tmp_path / "half", max_steps=4, weights_dtype="fp16")
     out = fine_tune(corpus, tmp_path / "ft", half, max_steps=4)
     base, _ = load_checkpoint(half)  # widened to fp32 as it loads
-    assert json.loads((out / TRAINING_INFO).read_text())["base_model"]["weights_sha256"] == weights_hash(base)
+    assert json.loads((out / TRAINING_INFO).read_text())["base_model"]["weights_sha256"] == base.weights_sha256()
     tuned, _ = load_checkpoint(out)
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in tuned.parameters())
 

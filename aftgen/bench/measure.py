@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-import torch.nn.functional as F
 
 from aftgen.device import synchronize
+from aftgen.layers import linear
 from aftgen.model import AFTLM, PrefillFunction, StepFunction, clone_state, tokens_read
 
 Timer = tuple[Callable[[], object], int, int]  # (one call, calls per round, tokens per call)
@@ -90,8 +90,8 @@ def products_timer(model: AFTLM, tokens: int = 1, calls: int = 60) -> Timer:
 
     def products() -> None:
         for lin, rows in linears:
-            F.linear(inputs[rows, lin.in_features], lin.weight, lin.bias)
-        F.linear(hidden, model.embed.weight)
+            linear(inputs[rows, lin.in_features], lin.weight, lin.bias)
+        linear(hidden, model.embed.weight)
 
     return products, max(1, calls // tokens), tokens
 

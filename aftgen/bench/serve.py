@@ -204,8 +204,8 @@ class Ceiling:
     def __init__(self, options: BenchServeOptions, threads: int):
         from aftgen.api import load
 
-        self.placement: Placement = resolve(options.device, options.dtype)
-        self.model: AFTLM = load(options.model, self.placement.device)[0].eval()
+        self.placement: Placement = resolve(options.device, options.dtype, generating=True)
+        self.model: AFTLM = load(options.model, self.placement.device)[0].eval().lower_weights(self.placement.weights)
         self.threads = threads
         self.step = CompiledBatchStep(self.model, max(STREAMS), self.placement)  # the server's: --parallel 32
 

@@ -181,12 +181,13 @@ def set_up_torch(threads: int | None = None, reserve: int = 0, busy: bool = True
     cores.claim(command or "python", threads, reserve, busy)
 
 
-def placement(hardware: dict, reserve: int = 0, busy: bool = True):
-    """Threads first, then the device and dtype (HARDWARE_OPTIONS): one call for every command that runs a model."""
+def placement(hardware: dict, reserve: int = 0, busy: bool = True, generating: bool = False):
+    """Threads first, then the device and dtype (HARDWARE_OPTIONS): one call for every command that runs a model;
+    `generating` for those that generate text (device.resolve)."""
     from aftgen.device import resolve
 
     set_up_torch(hardware["threads"], reserve, busy)
-    return resolve(hardware["device"], hardware["dtype"])
+    return resolve(hardware["device"], hardware["dtype"], generating=generating)
 
 
 def require_file(path: Path | None, what: str) -> None:

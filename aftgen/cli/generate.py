@@ -82,6 +82,7 @@ def _load_for_generation(model: str | None, load_state: Path | None, compile_ste
     from aftgen.state import load_state as read_state
 
     lm, tokenizer = load(model, where.device)
+    lm.lower_weights(where.weights)
     context = read_state(load_state, lm, tokenizer) if load_state else None
     step = lm.step
     if compile_step:
@@ -125,7 +126,7 @@ def sample(
         raise AftgenError("--save-state keeps one continuation; use it with --num-samples 1")
     require_file(load_state, "state file")
     prompt = _prompt_text(prompt, prompt_file)
-    where = placement(shared)
+    where = placement(shared, generating=True)
     lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step, where)
     with where.autocast():
         context = read_prompt(lm, tokenizer, prompt, context, options.seed)
@@ -178,7 +179,7 @@ def prime(
 
     check_seed(seed)
     text = read_text(text_file, encoding, errors)
-    where = placement(hardware)
+    where = placement(hardware, generating=True)
     lm, tokenizer, _, _ = _load_for_generation(model, None, False, where)
     prefill = None
     if compile_prefill:
@@ -216,7 +217,7 @@ def chat(
     options = _sampling_options(shared, stop or [REPLY_END])
     require_file(load_state, "state file")
     keep_undecodable_stdin()
-    where = placement(shared)
+    where = placement(shared, generating=True)
     lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step, where)
     with where.autocast():
         context = run_chat(lm, tokenizer, options, context, step)

@@ -17,4 +17,4 @@ def serve(**given) -> None:
     options.check()
     require_serve_extra()
     hardware = {"device": options.device, "dtype": options.dtype, "threads": options.threads}
-    run_server(options, placement(hardware, reserve=HTTP_CORES, busy=False))
+    run_server(options, placement(hardware, reserve=HTTP_CORES, busy=False, generating=True))

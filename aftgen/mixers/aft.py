@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from aftgen.layers import Linear
 from aftgen.mixers.chunked import EMPTY_KEY, History, aft_chunked, aft_chunked_from
 from aftgen.mixers.protocol import MixerConfig, MixerState
 
@@ -263,8 +264,8 @@ class AFTMixer(torch.nn.Module):
     def __init__(self, n_embd: int, n_head: int, window: int, context_length: int, decay: bool, chunk: int = 32):
         super().__init__()
         self.n_head, self.head_dim, self.chunk = n_head, n_embd // n_head, chunk
-        self.qkv = torch.nn.Linear(n_embd, 3 * n_embd)
-        self.proj = torch.nn.Linear(n_embd, n_embd)
+        self.qkv = Linear(n_embd, 3 * n_embd)
+        self.proj = Linear(n_embd, n_embd)
         self.w = torch.nn.Parameter(focused_window_bias(n_head, window))  # (H, s)
         # Heads start with horizons from about the training length down to the window, so some
         # look far back and some stay local; softplus keeps lambda >= 0.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from aftgen.layers import Linear
 from aftgen.mixers.protocol import MixerConfig, MixerState
 
 ROPE_BASE = 10_000.0
@@ -69,8 +70,8 @@ class AttentionMixer(torch.nn.Module):
     def __init__(self, n_embd: int, n_head: int):
         super().__init__()
         self.n_head, self.head_dim = n_head, n_embd // n_head
-        self.qkv = torch.nn.Linear(n_embd, 3 * n_embd)
-        self.proj = torch.nn.Linear(n_embd, n_embd)
+        self.qkv = Linear(n_embd, 3 * n_embd)
+        self.proj = Linear(n_embd, n_embd)
 
     @classmethod
     def from_config(cls, config: MixerConfig) -> AttentionMixer:

@@ -61,7 +61,7 @@ def prepare(options: ServeOptions, placement: Placement) -> tuple[uvicorn.Server
         raise AftgenError(
             f"aftgen serve batches fixed-size states; a {model.config.mixer} model's state grows with its stream"
         )
-    model.eval()
+    model.eval().lower_weights(placement.weights)
     step = CompiledBatchStep(model, options.parallel, placement) if options.compile_step else None
     engine = Engine(model, tokenizer, options, placement, step)
     app = Server(engine, model_name(options.model)).app()

@@ -11,7 +11,6 @@ from aftgen.files import is_count
 from aftgen.hub import parse_hub_id, resolve_model
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.record import read_run_files
-from aftgen.state import weights_hash
 from aftgen.tokenizer import Tokenizer
 
 
@@ -54,7 +53,7 @@ class BaseModel:
 
     def describe(self, model: AFTLM) -> dict:
         """What training.json records: where the base came from, which revision, which weights."""
-        record = {"model": self.spec, "path": str(self.folder.resolve()), "weights_sha256": weights_hash(model)}
+        record = {"model": self.spec, "path": str(self.folder.resolve()), "weights_sha256": model.weights_sha256()}
         if self.hub_id:  # the Hub cache holds a snapshot per commit: its folder is named by the commit
             record |= {"hub_id": self.hub_id, "revision": self.folder.resolve().name}
         return record
