@@ -241,12 +241,13 @@ class AFTLM(nn.Module):
         return digest.hexdigest()
 
     def lower_weights(self, dtype: torch.dtype) -> AFTLM:
-        """Store the matrices (every Linear's weight and the tied embedding) in `dtype`, for generation
-        (aftgen.layers says why); the rest stays float32. Returns the model, changed in place."""
+        """Store the matrices (the weight of every aftgen.layers.Linear and the tied embedding) in `dtype`, for
+        generation (aftgen.layers says why); the rest stays float32, as do the layers of a mixer registered from
+        outside, which multiply in their own way. Returns the model, changed in place."""
         if dtype != torch.float32 and self.trained_sha256 is None:
             self.trained_sha256 = self.weights_sha256()
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.dtype != dtype:
+            if isinstance(module, (Linear, nn.Embedding)) and module.weight.dtype != dtype:
                 module.weight = nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
         return self
 

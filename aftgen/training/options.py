@@ -7,6 +7,7 @@ below the user's (a resumed run's record, FINE_TUNE_DEFAULTS, the recipe, the pr
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,10 +54,10 @@ FINE_TUNE_DEFAULTS = {"lr": 1e-3, "warmup_steps": 5, "eval_interval": 50, "eval_
 FINE_TUNE_STEPS = 5000  # a fine-tuning run's budget when it is given none
 MAX_BATCH_SIZE = 1 << 16  # sequences per step: more than any device holds, well before torch's sizes overflow
 NOT_NEGATIVE = Range(0)
-# The options whose values come from a table: --help lists the table, the check refuses anything else.
-CHOICES: dict[str, tuple[str, ...]] = {"preset": tuple(PRESETS), "mixer": tuple(MIXERS),
-                                       "activation": tuple(ACTIVATIONS), "optimizer": OPTIMIZERS,
-                                       "weights_dtype": tuple(WEIGHT_DTYPES),
+# The options whose values come from a table: --help lists the table, the check refuses anything else. The tables
+# themselves, not copies, so that a mixer registered at run time is a choice.
+CHOICES: dict[str, Collection[str]] = {"preset": PRESETS, "mixer": MIXERS, "activation": ACTIVATIONS,
+                                       "optimizer": OPTIMIZERS, "weights_dtype": WEIGHT_DTYPES,
                                        "tokenizer_type": TOKENIZER_TYPES}  # fmt: skip
 
 
@@ -225,7 +226,7 @@ def _words(allowed: Range, value: float) -> str:
     return f"be {allowed}"
 
 
-def _one_of(option: str, value: str, allowed: tuple[str, ...], shown: str | None = None) -> None:
+def _one_of(option: str, value: str, allowed: Collection[str], shown: str | None = None) -> None:
     if value not in allowed:
         raise AftgenError(f"unknown {option} '{shown or value}'; choose one of: {', '.join(allowed)}")
 
