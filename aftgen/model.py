@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from aftgen.aoti import UnlockedRunner
 from aftgen.device import Compiled, failure_line
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_open, cache_dir
@@ -386,13 +387,12 @@ class CompiledStep:
     """`model.step` through a compiled package for batches of 1 to `max_batch` sequences; any other batch,
     or a state whose tensors are not laid out as `initial_state` lays them out, steps eagerly."""
 
-    def __init__(self, model: AFTLM, package, max_batch: int):
+    def __init__(self, model: AFTLM, run: Callable[[list[torch.Tensor]], list[torch.Tensor]], max_batch: int):
         self.model, self.max_batch = model, max_batch
         self.device = model.embed.weight.device
         self.weights = list(_weights(model).values())  # the package's first inputs, in its order
         self.names = list(model.initial_state(1)[0])  # then the ids, then each layer's tensors in this order
-        self.package = package  # kept alive for its runner, called directly: no pytree of the state per token
-        self._run = package.loader.boxed_run
+        self._run = run  # the package's runner, called directly: no pytree of the state per token
 
     def __call__(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         ids = ids.to(self.device, torch.long).contiguous()
@@ -417,23 +417,25 @@ def compile_step(model: AFTLM, max_batch: int = 1) -> tuple[StepFunction, str]:
     """
     start = time.perf_counter()
     try:
-        package, origin = _step_package(model, max_batch)
-        step = CompiledStep(model, package, max_batch)
+        run, origin = _step_runner(model, max_batch)
+        step = CompiledStep(model, run, max_batch)
     except Exception as exc:  # no C++ compiler, a device or op the exporter cannot handle: eager always works
         return model.step, f"eager (compiling the step failed: {failure_line(exc)})"
     return step, f"compiled{origin} in {time.perf_counter() - start:.1f} s"
 
 
-def _step_package(model: AFTLM, max_batch: int):
-    """The loaded package of the model's step for 1 to `max_batch` rows, compiled now unless the cache has
-    it; and " (from the cache)" where it did."""
+def _step_runner(model: AFTLM, max_batch: int) -> tuple[Callable[[list[torch.Tensor]], list[torch.Tensor]], str]:
+    """The runner of the model's step package for 1 to `max_batch` rows, compiled now unless the cache has
+    it; and " (from the cache)" where it did. On a CPU it runs without Python's lock (aftgen.aoti)."""
     use_persistent_compile_cache()
     path = compiled_folder() / f"step-{_step_key(model, max_batch)}.pt2"
     origin = " (from the cache)"
     if not path.exists():
         _package_step(model, max_batch, path)
         origin = ""
-    return torch._inductor.aoti_load_package(str(path)), origin
+    if model.embed.weight.device.type == "cpu":
+        return UnlockedRunner(path), origin
+    return torch._inductor.aoti_load_package(str(path)).loader.boxed_run, origin
 
 
 def _package_step(model: AFTLM, max_batch: int, path: Path) -> None:
