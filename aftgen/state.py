@@ -25,7 +25,8 @@ from aftgen.model import AFTLM, clone_state
 from aftgen.sampling import MAX_REPEAT_LAST_N, Context
 from aftgen.tokenizer import Tokenizer
 
-FORMAT, VERSION = "aftgen-state", "1"
+# Version 2: an AFT window holds exp(k), not k (window_exp_k); a version-1 file would be misread, so it is refused.
+FORMAT, VERSION = "aftgen-state", "2"
 PENDING_BYTES = 8  # an unfinished character is at most 3 bytes, plus a held 3-byte escape character
 NO_TOKEN = -1  # pads the recent-token slots of a short history
 

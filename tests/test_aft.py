@@ -60,7 +60,7 @@ def test_state_carries_across_chunks():
     stepped = empty_state(2, 3, 4, 6, device=DEVICE)
     for t in range(45):
         aft_step(q[:, t], k[:, t], v[:, t], step_tables(w, decay), stepped)
-    for name in ("window_k", "window_v", "position"):
+    for name in ("window_exp_k", "window_v", "position"):
         assert torch.allclose(state[name].float(), stepped[name].float(), atol=1e-6)
     true_prefix = stepped["prefix_num"] * torch.exp(stepped["prefix_max"])
     assert torch.allclose(state["prefix_num"] * torch.exp(state["prefix_max"]), true_prefix, rtol=1e-4, atol=1e-6)
