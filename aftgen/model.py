@@ -13,6 +13,7 @@ import math
 import os
 import time
 import typing
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -448,9 +449,11 @@ def _package_step(model: AFTLM, max_batch: int, path: Path) -> None:
         rows = torch.export.Dim("rows", min=1, max=max_batch)
         per_layer = [{name: {0: rows} if t.dim() else None for name, t in layer.items()} for layer in state]
         shapes = (dict.fromkeys(weights), {0: rows}, per_layer)
-    program = torch.export.export(_StepOfWeights(model), (weights, ids, state), dynamic_shapes=shapes)
     configs = dict(STEP_PACKAGE_CONFIG)  # a copy: the compiler adds to the dict it is given
-    with atomic_open(path) as handle:
+    with warnings.catch_warnings(), atomic_open(path) as handle:
+        # torch's own pytree code trips torch's own deprecation (2.13): a warning no user can act on
+        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
+        program = torch.export.export(_StepOfWeights(model), (weights, ids, state), dynamic_shapes=shapes)
         torch._inductor.aoti_compile_and_package(program, package_path=handle, inductor_configs=configs)
 
 
