@@ -354,7 +354,7 @@ def _compiled(function: Callable, warm_up: Callable[[Callable], object]) -> tupl
 # a step is a millisecond, and torch.compile's guards and Python wrappers cost a third of one beside the
 # step's own matrix-vector products (its floor); a package's C++ runner costs a tenth. Its fused kernels
 # take torch's thread count when they run, not when they were compiled: it follows aftgen.cores' share.
-STEP_PACKAGE_CONFIG = {"cpp.dynamic_threads": True}
+STEP_PACKAGE_CONFIG = {"cpp.dynamic_threads": True, "reorder_for_locality": False}
 STEP_PACKAGE_FORMAT = 1  # bump when what a package holds or takes changes
 
 
@@ -393,7 +393,7 @@ class CompiledStep:
         self.device = model.embed.weight.device
         self.weights = list(_weights(model).values())  # the package's first inputs, in its order
         self.names = list(model.initial_state(1)[0])  # then the ids, then each layer's tensors in this order
-        self._run = run  # the package's runner, called directly: no pytree of the state per token
+        self.runner = run  # the package's runner, called directly: no pytree of the state per token
 
     def __call__(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         ids = ids.to(self.device, torch.long).contiguous()
@@ -405,7 +405,7 @@ class CompiledStep:
             t.is_contiguous() and (t.dim() == 0 or t.shape[0] == batch) for t in inputs
         ):
             return self.model.step(ids, state)
-        return self._run(self.weights + inputs)[0], state
+        return self.runner(self.weights + inputs)[0], state
 
 
 def compile_step(model: AFTLM, max_batch: int = 1) -> tuple[StepFunction, str]:

@@ -4,8 +4,6 @@ batch size it serves, the model's own weights, and the eager step wherever it ca
 from __future__ import annotations
 
 import copy
-import sys
-import threading
 
 import pytest
 import torch
@@ -111,34 +109,6 @@ def test_batches_and_states_the_package_was_not_compiled_for_step_eagerly(compil
         ]
         logits, _ = step(following[:, 0], strided)  # the same values, laid out otherwise
         torch.testing.assert_close(logits, model.step(following[:, 0], clone_state(state))[0])
-
-
-def test_other_threads_run_python_while_a_cpu_step_computes(compiled, monkeypatch):
-    """A server's HTTP thread frames tokens while the engine steps: the compiled step must not hold the GIL.
-
-    The other thread wakes as the steps begin and needs the GIL for one line. With a switch interval far
-    longer than the steps, this thread would keep the GIL throughout unless the steps release it."""
-    model, step = compiled
-    if model.embed.weight.device.type != "cpu":
-        pytest.skip("the CPU runner's property")
-    monkeypatch.setattr(model, "step", no_eager_fallback)
-    state, following = read_prompts(model, MAX_BATCH)
-    go, ran = threading.Event(), threading.Event()
-    other = threading.Thread(target=lambda: go.wait() and ran.set())
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(30.0)
-    try:
-        other.start()
-        with torch.inference_mode():
-            go.set()
-            for t in range(5):
-                step(following[:, t], state)
-            ran_during_the_steps = ran.is_set()
-    finally:
-        sys.setswitchinterval(interval)
-        go.set()
-        other.join()
-    assert ran_during_the_steps
 
 
 def test_the_step_falls_back_to_eager_where_compiling_fails(monkeypatch):
