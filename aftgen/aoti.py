@@ -5,10 +5,9 @@ whole call. In `aftgen serve` that is most of every turn: the HTTP thread, which
 of the turn before, waits for each step, and the second core idles. The package's shared library has a C
 interface (torch/csrc/inductor/aoti_runtime/interface.h) that ctypes calls with the GIL released.
 
-One more thing holds the lock inside a call: a tensor that Python also holds takes the GIL when a C++
-reference to it is dropped and only Python's remains. The call drops the references it is handed, so the
-runner keeps one more to each weight and state tensor, and only the token ids and the logits (two
-tensors, not a hundred) take the lock.
+One more thing takes the lock inside a call: a tensor that Python also holds takes the GIL when a C++
+reference to it is dropped and only Python's remains. The call drops the references it is handed (about a
+hundred: the weights, the ids, the state), so the runner keeps one more to each input until the next call.
 """
 
 from __future__ import annotations
