@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import operator
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +28,9 @@ _pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _pointer.restype, _pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
 _capsule = ctypes.pythonapi.PyCapsule_New
 _capsule.restype, _capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+PackageRunner = Callable[[list[torch.Tensor]], list[torch.Tensor]]  # a step package's inputs in, its outputs out
 
 
 class PackageLibraryError(RuntimeError):

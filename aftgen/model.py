@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aftgen.aoti import UnlockedRunner
+from aftgen.aoti import PackageRunner, UnlockedRunner
 from aftgen.device import Compiled, failure_line
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_open, cache_dir
@@ -388,7 +388,7 @@ class CompiledStep:
     """`model.step` through a compiled package for batches of 1 to `max_batch` sequences; any other batch,
     or a state whose tensors are not laid out as `initial_state` lays them out, steps eagerly."""
 
-    def __init__(self, model: AFTLM, run: Callable[[list[torch.Tensor]], list[torch.Tensor]], max_batch: int):
+    def __init__(self, model: AFTLM, run: PackageRunner, max_batch: int):
         self.model, self.max_batch = model, max_batch
         self.device = model.embed.weight.device
         self.weights = list(_weights(model).values())  # the package's first inputs, in its order
@@ -425,7 +425,7 @@ def compile_step(model: AFTLM, max_batch: int = 1) -> tuple[StepFunction, str]:
     return step, f"compiled{origin} in {time.perf_counter() - start:.1f} s"
 
 
-def _step_runner(model: AFTLM, max_batch: int) -> tuple[Callable[[list[torch.Tensor]], list[torch.Tensor]], str]:
+def _step_runner(model: AFTLM, max_batch: int) -> tuple[PackageRunner, str]:
     """The runner of the model's step package for 1 to `max_batch` rows, compiled now unless the cache has
     it; and " (from the cache)" where it did. On a CPU it runs without Python's lock (aftgen.aoti)."""
     use_persistent_compile_cache()
