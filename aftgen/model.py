@@ -7,6 +7,7 @@ came before.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -26,7 +27,7 @@ from aftgen.aoti import PackageRunner, UnlockedRunner
 from aftgen.device import Compiled, failure_line
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_open, cache_dir
-from aftgen.layers import Linear, linear
+from aftgen.layers import Linear, linear, one_row_products
 from aftgen.mixers import MIXERS, MixerState, make_mixer
 
 ModelState = list[MixerState]  # one mixer state per layer
@@ -385,15 +386,16 @@ class _StepOfWeights(nn.Module):
 
 
 class CompiledStep:
-    """`model.step` through a compiled package for batches of 1 to `max_batch` sequences; any other batch,
-    or a state whose tensors are not laid out as `initial_state` lays them out, steps eagerly."""
+    """`model.step` through compiled packages for batches of 1 to `max_batch` sequences (`one_row` for a
+    single one, `rows` for the rest; the same runner where one package serves all); any other batch, or a
+    state whose tensors are not laid out as `initial_state` lays them out, steps eagerly."""
 
-    def __init__(self, model: AFTLM, run: PackageRunner, max_batch: int):
+    def __init__(self, model: AFTLM, one_row: PackageRunner, rows: PackageRunner, max_batch: int):
         self.model, self.max_batch = model, max_batch
         self.device = model.embed.weight.device
         self.weights = list(_weights(model).values())  # the package's first inputs, in its order
         self.names = list(model.initial_state(1)[0])  # then the ids, then each layer's tensors in this order
-        self.runner = run  # the package's runner, called directly: no pytree of the state per token
+        self.one_row, self.rows = one_row, rows  # the packages' runners, called directly: no pytree per token
 
     def __call__(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         ids = ids.to(self.device, torch.long).contiguous()
@@ -405,7 +407,8 @@ class CompiledStep:
             t.is_contiguous() and (t.dim() == 0 or t.shape[0] == batch) for t in inputs
         ):
             return self.model.step(ids, state)
-        return self.runner(self.weights + inputs)[0], state
+        run = self.one_row if batch == 1 else self.rows
+        return run(self.weights + inputs)[0], state
 
 
 def compile_step(model: AFTLM, max_batch: int = 1) -> tuple[StepFunction, str]:
@@ -418,11 +421,21 @@ def compile_step(model: AFTLM, max_batch: int = 1) -> tuple[StepFunction, str]:
     """
     start = time.perf_counter()
     try:
-        run, origin = _step_runner(model, max_batch)
-        step = CompiledStep(model, run, max_batch)
+        step, origin = _compiled_step(model, max_batch)
     except Exception as exc:  # no C++ compiler, a device or op the exporter cannot handle: eager always works
         return model.step, f"eager (compiling the step failed: {failure_line(exc)})"
     return step, f"compiled{origin} in {time.perf_counter() - start:.1f} s"
+
+
+def _compiled_step(model: AFTLM, max_batch: int) -> tuple[CompiledStep, str]:
+    """The packages for 1 to `max_batch` rows: one, or with weights stored lower than float32 (aftgen.layers)
+    a second for a single row, where matrix-vector products are written apart; and " (from the cache)"
+    where the cache had them all."""
+    rows, origin = _step_runner(model, max_batch)
+    if max_batch == 1 or model.embed.weight.dtype == torch.float32:
+        return CompiledStep(model, rows, rows, max_batch), origin
+    one_row, one_row_origin = _step_runner(model, 1)
+    return CompiledStep(model, one_row, rows, max_batch), origin if origin == one_row_origin else ""
 
 
 def _step_runner(model: AFTLM, max_batch: int) -> tuple[PackageRunner, str]:
@@ -440,8 +453,9 @@ def _step_runner(model: AFTLM, max_batch: int) -> tuple[PackageRunner, str]:
 
 
 def _package_step(model: AFTLM, max_batch: int, path: Path) -> None:
-    """Export the step for 1 to `max_batch` rows (one graph with a dynamic batch size, or batch 1 alone)
-    and compile it into a package at `path`, written atomically (another process may be loading it)."""
+    """Export the step for 1 to `max_batch` rows (one graph with a dynamic batch size, or batch 1 alone, its
+    products written for one row) and compile it into a package at `path`, written atomically (another
+    process may be loading it)."""
     device = model.embed.weight.device
     weights, ids = _weights(model), torch.zeros(max_batch, dtype=torch.long, device=device)
     state, shapes = model.initial_state(max_batch), None
@@ -450,7 +464,10 @@ def _package_step(model: AFTLM, max_batch: int, path: Path) -> None:
         per_layer = [{name: {0: rows} if t.dim() else None for name, t in layer.items()} for layer in state]
         shapes = (dict.fromkeys(weights), {0: rows}, per_layer)
     configs = dict(STEP_PACKAGE_CONFIG)  # a copy: the compiler adds to the dict it is given
-    with warnings.catch_warnings(), atomic_open(path) as handle:
+    products = contextlib.nullcontext()
+    if max_batch == 1:  # written-out products, rounded to bf16 as the matrix kernels round theirs
+        products, configs["emulate_precision_casts"] = one_row_products(), True
+    with warnings.catch_warnings(), products, atomic_open(path) as handle:
         # torch's own pytree code trips torch's own deprecation (2.13): a warning no user can act on
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
         program = torch.export.export(_StepOfWeights(model), (weights, ids, state), dynamic_shapes=shapes)
