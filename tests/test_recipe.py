@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from conftest import train_tiny
 
+from aftgen.device import resolve
+from aftgen.model import AFTConfig
 from aftgen.record import TRAINING_INFO
-from aftgen.training import recipe
+from aftgen.training import probe, recipe
+from aftgen.training.options import TrainOptions
 from aftgen.training.recipe import choose
 
 # Tokens/s measured on a 2-core CPU (bf16) and guessed for a GPU: the speeds choose() is given.
@@ -156,8 +161,46 @@ def test_resume_goes_on_with_the_recipe_it_started_with(tmp_path, corpus, one_th
         assert resumed["options"][name] == first["options"][name], name
 
 
-def test_the_shipped_models_schedule_is_the_recipes():
-    """make default-model gives only what the recipe would not choose (Makefile): the rest is the recipe's."""
-    chosen = choose(360_000, 1536, max_time=None, max_steps=2400, speed=speeds({}), presets=("medium",))
-    assert (chosen.lr, chosen.ema, chosen.eval_interval) == (1.5e-3, 0.995, 100)
-    assert chosen.keep_best and chosen.patience == 3 and chosen.optimizer == "adamw"
+def shipped_model_options() -> dict[str, str]:
+    """recipes/shakespeare.args, what `make default-model` gives `aftgen train`: {"--max-steps": "15000", ...}."""
+    lines = (Path(__file__).parents[1] / "recipes" / "shakespeare.args").read_text().splitlines()
+    return dict(line.split(" ", 1) for line in lines if line and not line.startswith("#"))
+
+
+def test_the_shipped_model_is_the_recipes_but_for_what_its_recipe_file_names():
+    """make default-model names its steps, patience and precisions (recipes/shakespeare.args); the rest is what
+    the recipe chooses for Tiny Shakespeare, as the file
+    and the model's card say."""
+    options = shipped_model_options()
+    assert set(options) == {"--max-steps", "--patience", "--dtype", "--weights-dtype"}
+    steps = int(options["--max-steps"])
+    chosen = choose(SHAKESPEARE, 1024, max_time=None, max_steps=steps, speed=speeds(CPU))
+    assert (chosen.preset, chosen.activation, chosen.optimizer) == ("small", "relu2", "adamw")
+    assert (chosen.dropout, chosen.weight_decay, chosen.ema, chosen.lr) == (0.3, 1.0, 0.995, 2e-3)
+    assert (chosen.warmup_steps, chosen.eval_interval, chosen.eval_windows, chosen.keep_best) == (200, 500, 100, True)
+
+
+def test_the_plan_is_made_at_the_speed_of_the_step_with_the_dropout_the_recipe_chose(monkeypatch):
+    """The sizes are timed before a dropout is chosen, and dropout slows a step: the chosen size is timed again
+    with it, and the steps the run plans (its recipe line's `at N tok/s`) come from that speed."""
+    timed = []
+
+    def tokens_per_s(config, batch_size, placement):
+        timed.append((config.n_embd, config.dropout))
+        return 20_000.0 * (0.8 if config.dropout else 1.0)
+
+    monkeypatch.setattr(probe, "tokens_per_s", tokens_per_s)
+    options = TrainOptions(corpus=Path("corpus.txt"), dtype="fp32", max_time=900.0)
+    chosen = probe.choose_recipe(options, SHAKESPEARE, ("small",), sized, resolve("cpu", "fp32"))
+    assert chosen.dropout > 0 and timed == [(192, 0.0), (192, chosen.dropout)]
+    assert chosen.tokens_per_s == 16_000.0
+    assert chosen.steps == int(900 * 16_000 / (16 * 128))
+    given = replace(options, dropout=0.0)  # the user's own dropout is the one timed, from the start
+    timed.clear()
+    assert probe.choose_recipe(given, SHAKESPEARE, ("small",), sized, resolve("cpu", "fp32")).tokens_per_s == 20_000.0
+    assert timed == [(192, 0.0)]
+
+
+def sized(preset: str) -> tuple[AFTConfig, int]:
+    """A preset's model without dropout, at batch 16 (what plan.py hands the probe for a fresh run)."""
+    return AFTConfig.from_preset(preset, 1024), 16

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,8 @@ def choose_recipe(
     placement: Placement,
 ) -> recipe.Recipe:
     """The recipe for a fresh run (recipe.choose) among `presets`, measuring this machine's speed as it goes (a
-    few seconds, before the budget's clock starts); `sized(preset)`: the model and batch size the run would train."""
+    few seconds, before the budget's clock starts), and the chosen size once more with the dropout it will
+    train with; `sized(preset)`: the model and batch size the run would train."""
     dtype = _dtype(options.dtype, sized(presets[0]), placement)
     chosen = Placement(placement.device, DTYPES[dtype])
 
@@ -74,9 +76,19 @@ def choose_recipe(
         return batch_size * config.context_length
 
     vocab_size = sized(presets[0])[0].vocab_size
-    return recipe.choose(
-        train_tokens, vocab_size, options.max_time, options.max_steps, speed, presets, dtype, step_tokens
-    )
+    budget = (train_tokens, vocab_size, options.max_time, options.max_steps)
+    first = recipe.choose(*budget, speed, presets, dtype, step_tokens)
+    dropout = first.dropout if options.dropout is None else options.dropout
+    if first.max_time is None or dropout == sized(first.preset)[0].dropout:  # a budget in steps: no plan by speed
+        return first
+
+    # The sizes were timed before the recipe chose a dropout, which costs time of its own (0.3: about a tenth
+    # of a small model's step on a CPU): the plan is made again at the speed of the step the run will take.
+    def speed_with_dropout(preset: str) -> float:
+        config, batch_size = sized(preset)
+        return tokens_per_s(replace(config, dropout=dropout), batch_size, chosen)
+
+    return recipe.choose(*budget, speed_with_dropout, (first.preset,), dtype, step_tokens)
 
 
 def _dtype(dtype: str, model: tuple[AFTConfig, int], placement: Placement) -> str:
