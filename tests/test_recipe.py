@@ -162,22 +162,21 @@ def test_resume_goes_on_with_the_recipe_it_started_with(tmp_path, corpus, one_th
 
 
 def shipped_model_options() -> dict[str, str]:
-    """recipes/shakespeare.args, what `make default-model` gives `aftgen train`: {"--max-steps": "15000", ...}."""
+    """recipes/shakespeare.args, what `make default-model` gives `aftgen train`: {"--max-time": "15m", ...}."""
     lines = (Path(__file__).parents[1] / "recipes" / "shakespeare.args").read_text().splitlines()
     return dict(line.split(" ", 1) for line in lines if line and not line.startswith("#"))
 
 
 def test_the_shipped_model_is_the_recipes_but_for_what_its_recipe_file_names():
-    """make default-model names its steps, patience and precisions (recipes/shakespeare.args); the rest is what
-    the recipe chooses for Tiny Shakespeare, as the file
-    and the model's card say."""
+    """make default-model names its budget and precisions (recipes/shakespeare.args); the rest is what the
+    recipe chooses for Tiny Shakespeare, as the file and the model's card say."""
     options = shipped_model_options()
-    assert set(options) == {"--max-steps", "--patience", "--dtype", "--weights-dtype"}
-    steps = int(options["--max-steps"])
-    chosen = choose(SHAKESPEARE, 1024, max_time=None, max_steps=steps, speed=speeds(CPU))
+    assert set(options) == {"--max-time", "--dtype", "--weights-dtype"}
+    budget = TrainOptions(corpus=Path("tinyshakespeare.txt"), max_time=options["--max-time"]).max_time
+    chosen = choose(SHAKESPEARE, 1024, max_time=budget, max_steps=None, speed=speeds(CPU))
     assert (chosen.preset, chosen.activation, chosen.optimizer) == ("small", "relu2", "adamw")
     assert (chosen.dropout, chosen.weight_decay, chosen.ema, chosen.lr) == (0.3, 1.0, 0.995, 2e-3)
-    assert (chosen.warmup_steps, chosen.eval_interval, chosen.eval_windows, chosen.keep_best) == (200, 500, 100, True)
+    assert (chosen.eval_interval, chosen.eval_windows, chosen.keep_best, chosen.patience) == (500, 100, True, 3)
 
 
 def test_the_plan_is_made_at_the_speed_of_the_step_with_the_dropout_the_recipe_chose(monkeypatch):
