@@ -30,10 +30,14 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu") -> 
 
     `device`: 'cpu' (the default), 'cuda', 'cuda:1', 'mps', or 'auto' (the best one here).
     """
-    device = pick_device(device)
+    return load_checkpoint(model_folder(path), pick_device(device))
+
+
+def model_folder(path: str | Path | None = None) -> Path:
+    """The local folder of a checkpoint folder, a Hub id (fetched) or, for None, the shipped default model."""
     if path is None:
         location = default_model_path()
         if not (location / CONFIG).exists():
             raise AftgenError("the shipped default model is missing from this install; pass --model PATH")
-        return load_checkpoint(location, device)
-    return load_checkpoint(resolve_model(path), device)
+        return location
+    return resolve_model(path)

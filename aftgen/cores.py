@@ -233,6 +233,15 @@ def _to_stderr(line: str) -> None:
 _share: ThreadShare | None = None
 
 
+def set_up(command: str, fixed: int | None = None, reserve: int = 0, busy: bool = True) -> int:
+    """What a process does before its first torch work, since torch fixes its threads then: freed memory kept
+    for reuse (device.reuse_freed_memory), and its share of the cores claimed (claim); returns its threads."""
+    from aftgen.device import reuse_freed_memory
+
+    reuse_freed_memory()
+    return claim(command, fixed, reserve, busy)
+
+
 def claim(command: str, fixed: int | None = None, reserve: int = 0, busy: bool = True) -> int:
     """Join the registry as `command` and set torch's threads to this process's share; returns them.
 

@@ -293,16 +293,27 @@ class Context:
     generator: torch.Generator
     recent: torch.Tensor = field(
         default_factory=lambda: torch.zeros(1, 0, dtype=torch.long)
-    )  # last ids, for the repeat penalty
+    )  # last ids, for the repeat penalty (read them through history(): the newest may wait in `arrived`)
     pending: bytes = b""  # the start of a character the last token left unfinished
+    arrived: list[int] = field(default_factory=list)  # ids remembered since `recent` was last brought up to date
 
-    def remember(self, ids: torch.Tensor) -> None:
-        self.recent = torch.cat([self.recent, ids.view(1, -1)], dim=1)[:, -MAX_REPEAT_LAST_N:]
+    def remember(self, ids: Sequence[int]) -> None:
+        # A list append per token: the tensor is made only where it is read (a repeat penalty, a state file).
+        self.arrived.extend(ids)
+        if len(self.arrived) >= MAX_REPEAT_LAST_N:
+            self.history()
+
+    def history(self) -> torch.Tensor:
+        """The last MAX_REPEAT_LAST_N ids at most, (1, n), oldest first."""
+        if self.arrived:
+            arrived = torch.tensor([self.arrived], dtype=torch.long)
+            self.recent, self.arrived = torch.cat([self.recent, arrived], dim=1)[:, -MAX_REPEAT_LAST_N:], []
+        return self.recent
 
     def fork(self, generator: torch.Generator | None = None) -> Context:
         """An independent copy drawing from `generator`, or sharing this one's (so forks draw different samples)."""
         generator = generator or self.generator
-        return Context(clone_state(self.state), self.logits.clone(), generator, self.recent.clone(), self.pending)
+        return Context(clone_state(self.state), self.logits.clone(), generator, self.history().clone(), self.pending)
 
 
 def new_generator(seed: int | None) -> torch.Generator:
@@ -363,7 +374,7 @@ class PromptReader:
         """The context once every id is read: its last ids remembered for the repeat penalty, and a
         character an earlier run left unfinished abandoned (reading nothing leaves both as they were)."""
         if self.ids:
-            self.context.remember(torch.tensor([self.ids[-MAX_REPEAT_LAST_N:]]))
+            self.context.remember(self.ids[-MAX_REPEAT_LAST_N:])
             self.context.pending = b""
         return self.context
 
@@ -420,12 +431,12 @@ class TextStream:
     def next_token(self) -> torch.Tensor:
         return next_tokens([self])
 
-    def accept(self, token: torch.Tensor, logits: torch.Tensor) -> str:
-        """Read `token` (1,) into the context, with the logits (1, vocab) the model gave after it."""
+    def accept(self, token: int, logits: torch.Tensor) -> str:
+        """Read `token` into the context, with the logits (1, vocab) the model gave after it."""
         self.produced += 1
         self.context.logits = logits
-        self.context.remember(token)
-        return self.stops.feed(self.decoder.feed(int(token)))
+        self.context.remember((token,))
+        return self.stops.feed(self.decoder.feed(token))
 
     def end(self, final: bool = True) -> str:
         """The text held back at the end. With final=False the run is to be continued later: a character
@@ -446,7 +457,7 @@ def next_tokens(streams: Sequence[TextStream]) -> torch.Tensor:
     return choose(
         torch.cat([context.logits for context in contexts]),
         [stream.options for stream in streams],
-        [context.recent for context in contexts],
+        [context.history() for context in contexts],
         [context.generator for context in contexts],
     )
 
@@ -474,7 +485,7 @@ def generate(
     while not stream.done:
         token = stream.next_token()
         logits, _ = step(token, context.state)
-        text = stream.accept(token, logits)
+        text = stream.accept(int(token), logits)
         cores.adapt()
         if text:
             yield text

@@ -38,7 +38,7 @@ def tokenizer_hash(tokenizer: Tokenizer) -> str:
 def save_state(path: Path | str, context: Context, model: AFTLM, tokenizer: Tokenizer) -> None:
     """Write `context` atomically; its size depends on the model only, never on the history."""
     tensors = {f"layer{i}.{name}": t.contiguous() for i, layer in enumerate(context.state) for name, t in layer.items()}
-    recent = context.recent[0, -MAX_REPEAT_LAST_N:]
+    recent = context.history()[0, -MAX_REPEAT_LAST_N:]
     pending = torch.tensor(list(context.pending), dtype=torch.uint8)
     tensors |= {
         "logits": context.logits.float().contiguous(),

@@ -65,7 +65,7 @@ def test_sample_hands_a_new_control_to_its_filter(spread, tiny_run):
 
 
 def test_the_server_takes_a_new_control_within_its_range(spread, tiny_run):
-    with running(tiny_run) as url:
+    with running(tiny_run, in_process=True) as url:  # the control is added in this process only
         taken = post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 2, "spread": 2})
         assert taken.status_code == 200, taken.text
         assert (2.0,) in spread

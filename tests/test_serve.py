@@ -12,6 +12,7 @@ import math
 import os
 import random
 import re
+import signal
 import socket
 import threading
 import time
@@ -63,12 +64,14 @@ def _one_thread() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def running(model_dir, **changes) -> Iterator[str]:
-    """A server for `model_dir` on a free loopback port, in this process; yields its base URL. Its step is
+def running(model_dir, in_process: bool = False, **changes) -> Iterator[str]:
+    """A server for `model_dir` on a free loopback port, its engine in a process of its own as `aftgen serve`
+    runs it (in_process: in this one, where a test changes the engine); yields its base URL. Its step is
     eager: a compile (tens of seconds) is tested once, by bench serve's server."""
-    base = dict(model=str(model_dir), port=0, api_key=KEY, cache_mb=16, compile_step=False)
+    base = dict(model=str(model_dir), port=0, api_key=KEY, cache_mb=16, compile_step=False, device=DEVICE, dtype="fp32")
     options = ServeOptions(**base | LIMITS | changes)
-    server, sock, url = prepare(options, resolve(DEVICE, "fp32"))
+    engine = Engine(*load(model_dir, DEVICE), options, resolve(DEVICE, "fp32")) if in_process else None
+    server, sock, url = prepare(options, engine)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(200):
@@ -503,7 +506,16 @@ def test_bench_serve_runs_a_server_and_reports_against_the_targets(tiny_run):
         assert targets[measure]["ok"] == (judged >= float(bound) if relation == ">=" else judged <= float(bound))
 
 
-def test_a_failing_step_fails_its_requests_with_500_and_the_server_goes_on(url, monkeypatch):
+@pytest.fixture(scope="module")
+def url_in_process(tiny_run) -> Iterator[str]:
+    """A server whose engine runs in this process, for tests that break it on purpose."""
+    with running(tiny_run, in_process=True) as base:
+        yield base
+
+
+def test_a_failing_step_fails_its_requests_with_500_and_the_server_goes_on(url_in_process, monkeypatch):
+    url = url_in_process
+
     def broken(self, tokens):
         raise RuntimeError("simulated failure")
 
@@ -861,12 +873,13 @@ def test_a_session_turn_that_never_finishes_leaves_the_session_as_it_was(tiny_ru
     for layer, twin_layer in zip(mine.state, twins.state, strict=True):
         assert all(torch.equal(layer[name], twin_layer[name]) for name in layer)
     assert torch.equal(mine.generator.get_state(), twins.generator.get_state())
-    assert torch.equal(mine.recent, twins.recent) and torch.equal(mine.logits, twins.logits)
+    assert torch.equal(mine.history(), twins.history()) and torch.equal(mine.logits, twins.logits)
 
 
-def test_a_session_turn_that_fails_leaves_the_session_in_memory_as_it_was(url, monkeypatch):
+def test_a_session_turn_that_fails_leaves_the_session_in_memory_as_it_was(url_in_process, monkeypatch):
     """A failing step fails the session's turn; the session (memory only here) goes on as a twin that
     never had that turn does: continued, not started anew."""
+    url = url_in_process
 
     def broken(self, tokens):
         raise RuntimeError("simulated failure")
@@ -1104,3 +1117,30 @@ def test_a_server_whose_step_is_still_compiling_steps_eagerly_meanwhile(tiny_run
     assert calls and set(calls) == {1}
     text = "".join(event.text for owner, event in events if owner is ticket and isinstance(event, Text))
     assert text == library_text(tiny_run, "KING:", max_new_tokens=8, temperature=0.8, seed=3)
+
+
+def engine_processes() -> list[int]:
+    """This process's children that run an engine (aftgen.serve.remote)."""
+    pid = os.getpid()
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(child) for child in children if b"aftgen.serve.remote" in Path(f"/proc/{child}/cmdline").read_bytes()]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+def test_an_engine_process_that_dies_fails_its_requests_and_ends_with_the_server(tiny_run):
+    """The engine runs in a child process: if it dies, a stream it was generating ends with an error event and
+    [DONE], and later requests get a 500 at once (nothing hangs); when the server stops, its child is gone."""
+    before = set(engine_processes())
+    with running(tiny_run) as url, httpx.Client(timeout=60) as http:
+        (child,) = set(engine_processes()) - before
+        assert post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 4}).status_code == 200
+        stream = Stream(http, url, "KING:", LONG)
+        stream.texts(1)
+        os.kill(child, signal.SIGKILL)
+        rest = [line for line in stream.lines if line.startswith("data: ")]
+        assert json.loads(rest[-2][6:])["error"]["type"] == "server_error" and rest[-1] == "data: [DONE]"
+        error = assert_openai_error(post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 4}), 500)
+        assert "restart the server" in error["message"]
+    with running(tiny_run):
+        (child,) = set(engine_processes()) - before
+    wait_for(lambda: child not in engine_processes())

@@ -41,6 +41,20 @@ def memory_mb(pid: int | str | torch.device = "self") -> tuple[float, float]:
     return fields.get("VmRSS", peak), peak
 
 
+def tree_memory_mb(pid: int) -> tuple[float, float]:
+    """memory_mb summed over a process and its descendants (`aftgen serve` runs its engine in a child)."""
+    figures = [memory_mb(member) for member in _tree(pid)]
+    return sum(resident for resident, _ in figures), sum(peak for _, peak in figures)
+
+
+def _tree(pid: int) -> list[int]:
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return [pid] + [member for child in children for member in _tree(int(child))]
+
+
 def in_fresh_process(function: Callable[..., Result], *args) -> Result:
     """function(*args) in a new interpreter: peak resident memory only goes up, so only a fresh
     process tells one configuration's peak from another's."""

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from aftgen.bench.measure import memory_mb
+from aftgen.bench.measure import tree_memory_mb
 from aftgen.bench.options import STREAMS, BenchServeOptions
 from aftgen.bench.targets import TARGETS, Row
 from aftgen.device import Placement, resolve, synchronize
@@ -188,7 +188,7 @@ def bench_serve(options: BenchServeOptions, log=print) -> list[Row]:
                     asyncio.run(run_phase(server.host, server.port, streams, 16))
                     ceiling.tokens_per_s(streams, steps=4)
                 figures = phase_figures(asyncio.run(run_phase(server.host, server.port, streams, options.tokens)))
-                figures["rss_mb"], figures["peak_rss_mb"] = memory_mb(server.process.pid)
+                figures["rss_mb"], figures["peak_rss_mb"] = tree_memory_mb(server.process.pid)
                 figures["ceiling_tokens_per_s"] = ceiling.tokens_per_s(streams, options.tokens)
                 rounds[streams].append(figures)
                 log(f"  round {round_number + 1}, {streams:>2} streams: {figures['tokens_per_s']:,.0f} tokens/s "
@@ -254,8 +254,8 @@ def serve_rows(phases: dict[int, dict[str, float]], state_mb: float) -> list[Row
         "rss_mb": ("server resident memory", "MB"),
         "peak_rss_mb": ("server peak resident memory", "MB"),
     }
-    rows: list[Row] = [
-        {"measure": label, "value": round(figures[key], 4), "unit": unit, "streams": streams}
+    rows: list[Row] = [  # to 1 ns: a tiny model's chunks can come microseconds apart
+        {"measure": label, "value": round(figures[key], 6), "unit": unit, "streams": streams}
         for streams, figures in phases.items()
         for key, (label, unit) in units.items()
     ]

@@ -171,14 +171,12 @@ def set_up_torch(threads: int | None = None, reserve: int = 0, busy: bool = True
     """Set torch's CPU threads (this command's share of the cores, see aftgen.cores) and keep freed memory
     for reuse; called before any torch work, since torch fixes its threads on first use."""
     from aftgen import cores
-    from aftgen.device import reuse_freed_memory
 
     if threads is not None and threads < 1:
         raise AftgenError(f"--threads must be >= 1, got {threads}")
-    reuse_freed_memory()
     context = click.get_current_context(silent=True)
     command = context.command_path.partition(" ")[2] if context else "python"
-    cores.claim(command or "python", threads, reserve, busy)
+    cores.set_up(command or "python", threads, reserve, busy)
 
 
 def placement(hardware: dict, reserve: int = 0, busy: bool = True, generating: bool = False):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from aftgen.cli.common import command, declared_options, options_from, placement, with_options
-from aftgen.serve.options import HTTP_CORES, ServeOptions
+from aftgen.cli.common import command, declared_options, options_from, with_options
+from aftgen.serve.options import ServeOptions
 
 
 @with_options(lambda: declared_options(ServeOptions))
@@ -16,5 +16,4 @@ def serve(**given) -> None:
     options = options_from(ServeOptions, given)
     options.check()
     require_serve_extra()
-    hardware = {"device": options.device, "dtype": options.dtype, "threads": options.threads}
-    run_server(options, placement(hardware, reserve=HTTP_CORES, busy=False, generating=True))
+    run_server(options)

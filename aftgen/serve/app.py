@@ -22,7 +22,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from aftgen.serve.engine import Busy, Engine
+from aftgen.serve.engine import Engine
+from aftgen.serve.remote import EngineProcess
 from aftgen.serve.replies import Reply
 from aftgen.serve.schema import APIError, controls_body, parse_request
 from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket
@@ -72,7 +73,7 @@ def sse(data: dict | str) -> str:
 class Server:
     """The routes, bound to one engine and model."""
 
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self, engine: Engine | EngineProcess, model_name: str):
         self.engine, self.model_name, self.options = engine, model_name, engine.options
         self.created = int(time.time())
 
@@ -214,11 +215,7 @@ class Server:
         body = await self._body(request)
         parsed = parse_request(body, chat, self.options, self.engine.tokenizer, self.model_name)
         inbox: asyncio.Queue = asyncio.Queue()
-        try:
-            ticket = self.engine.submit(parsed.work, inbox)
-        except Busy:
-            message = "every generation slot is taken and the queue is full; try again shortly"
-            raise APIError(503, message, "server_error", code="server_overloaded") from None
+        ticket = self.engine.submit(parsed.work, inbox)
         reply = Reply(chat, self.model_name)
         watcher = asyncio.create_task(self._watch(request, ticket))
         try:

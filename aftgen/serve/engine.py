@@ -31,11 +31,8 @@ from aftgen.serve.sessions import SessionStore
 from aftgen.serve.work import Done, Event, Failed, Finished, Started, Text, Ticket, Work
 from aftgen.tokenizer import Tokenizer
 
+OVERLOADED = "every generation slot is taken and the queue is full; try again shortly"
 IDLE_WAIT = 0.5  # seconds the loop sleeps when there is nothing to do (new work wakes it at once)
-
-
-class Busy(Exception):
-    """Every row is taken and the queue is full."""
 
 
 @dataclass(eq=False)
@@ -101,15 +98,18 @@ class Engine:
             self.thread.join()
 
     def submit(self, work: Work, inbox: object = None) -> Ticket:
-        """Queue a request whose events go to `inbox` (see `publish`); raises Busy when every row is taken
-        and the queue is full."""
+        """Queue a request whose events go to `inbox` (see `publish`). When every row is taken and the queue
+        is full, its one event is a 503."""
+        ticket = Ticket(work, time.monotonic() + self.options.timeout, inbox)
         with self.lock:
-            if self.queued >= self.options.queue + max(0, self.options.parallel - self.occupied()):
-                raise Busy
-            self.queued += 1
-            ticket = Ticket(work, time.monotonic() + self.options.timeout, inbox)
-            self.incoming.append(ticket)
-        self.wake.set()
+            full = self.queued >= self.options.queue + max(0, self.options.parallel - self.occupied())
+            if not full:
+                self.queued += 1
+                self.incoming.append(ticket)
+        if full:
+            self.publish([(ticket, Failed(503, OVERLOADED, code="server_overloaded"))])
+        else:
+            self.wake.set()
         return ticket
 
     def cancel(self, ticket: Ticket) -> None:
@@ -293,8 +293,8 @@ class Engine:
         if not rows:
             return
         logits = self.batch.step(tokens)
-        for i, row in enumerate(rows):
-            self._text(row, row.stream.accept(tokens[i : i + 1], logits[i : i + 1]))
+        for i, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+            self._text(row, row.stream.accept(token, logits[i : i + 1]))
         self._finish([row for row in rows if row.stream.done])
 
     def _choose(self) -> torch.Tensor:

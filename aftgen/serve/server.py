@@ -1,7 +1,8 @@
-"""Start `aftgen serve`: load the model, build the engine and the app, and run them under uvicorn."""
+"""Start `aftgen serve`: the engine in a process of its own (aftgen.serve.remote), the app under uvicorn."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import ipaddress
 import socket
@@ -9,13 +10,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from aftgen.device import Placement
 from aftgen.errors import AftgenError
-from aftgen.mixers import fixed_size_state
 from aftgen.serve.options import ServeOptions
 
 if TYPE_CHECKING:
     import uvicorn
+
+    from aftgen.serve.engine import Engine
 
 INSTALL_HINT = "pip install 'aftgen[serve]'"
 
@@ -45,25 +46,22 @@ def listening_socket(host: str, port: int) -> socket.socket:
         raise AftgenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def prepare(options: ServeOptions, placement: Placement) -> tuple[uvicorn.Server, socket.socket, str]:
-    """Everything but the serving: (uvicorn server, its socket, the base URL). `server.run(sockets=[sock])` serves."""
+def prepare(options: ServeOptions, engine: Engine | None = None) -> tuple[uvicorn.Server, socket.socket, str]:
+    """Everything but the serving: (uvicorn server, its socket, the base URL). `server.run(sockets=[sock])` serves.
+
+    The model is fetched here (a Hub id), then loaded, and its step compiled, by the engine's own process
+    (aftgen.serve.remote). `engine`: serve this one instead, in this process (a model changed in Python: a
+    sampling control added at run time; a test that breaks the engine on purpose)."""
     require_serve_extra()
     import uvicorn
 
-    from aftgen.api import load
+    from aftgen.api import model_folder
     from aftgen.serve.app import Server
-    from aftgen.serve.batch import CompiledBatchStep
-    from aftgen.serve.engine import Engine
     from aftgen.serve.protocol import with_read_timeout
+    from aftgen.serve.remote import EngineProcess
 
-    model, tokenizer = load(options.model, placement.device)
-    if not fixed_size_state(model.config.mixer):
-        raise AftgenError(
-            f"aftgen serve batches fixed-size states; a {model.config.mixer} model's state grows with its stream"
-        )
-    model.eval().lower_weights(placement.weights)
-    step = CompiledBatchStep(model, options.parallel, placement) if options.compile_step else None
-    engine = Engine(model, tokenizer, options, placement, step)
+    if engine is None:
+        engine = EngineProcess(dataclasses.replace(options, model=str(model_folder(options.model))))
     app = Server(engine, model_name(options.model)).app()
     sock = listening_socket(options.host, options.port)
     host, port = sock.getsockname()[:2]
@@ -76,9 +74,9 @@ def prepare(options: ServeOptions, placement: Placement) -> tuple[uvicorn.Server
     return uvicorn.Server(config), sock, url
 
 
-def serve(options: ServeOptions, placement: Placement) -> None:
+def serve(options: ServeOptions) -> None:
     """Serve until Ctrl-C (or SIGTERM), printing where on stderr."""
-    server, sock, url = prepare(options, placement)
+    server, sock, url = prepare(options)
     if options.api_key is None and not ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
         print("warning: listening beyond this machine without --api-key: anyone who can reach it can use the model",
               file=sys.stderr)  # fmt: skip

@@ -70,3 +70,4 @@ class Ticket:
     inbox: object = None
     cancelled: bool = False
     unfinished: int = 0  # choices still generating
+    number: int = 0  # what an engine in another process knows it by (aftgen.serve.remote)
