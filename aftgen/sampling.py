@@ -450,14 +450,28 @@ class TextStream:
         return self.stops.feed(tail) + ("" if self.stops.stopped else self.stops.flush())
 
 
-def next_tokens(streams: Sequence[TextStream]) -> torch.Tensor:
+class Histories(Sequence):
+    """Each context's recent ids, (1, n) each, made only where a filter reads them (Context.history)."""
+
+    def __init__(self, contexts: Sequence[Context]):
+        self.contexts = contexts
+
+    def __len__(self) -> int:
+        return len(self.contexts)
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        return self.contexts[row].history()
+
+
+def next_tokens(streams: Sequence[TextStream], logits: torch.Tensor | None = None) -> torch.Tensor:
     """Each stream's next token (B,), drawn together in one pass, each from its own options, recent
-    tokens and generator (see choose): ScoresNotFinite names streams by their index."""
+    tokens and generator (see choose): ScoresNotFinite names streams by their index. `logits`: the streams'
+    contexts' logits as one (B, vocab) tensor, where the caller has them so (a batch's step gives them)."""
     contexts = [stream.context for stream in streams]
     return choose(
-        torch.cat([context.logits for context in contexts]),
+        torch.cat([context.logits for context in contexts]) if logits is None else logits,
         [stream.options for stream in streams],
-        [context.history() for context in contexts],
+        Histories(contexts),
         [context.generator for context in contexts],
     )
 

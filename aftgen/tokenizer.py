@@ -130,6 +130,9 @@ class StreamDecoder:
 
     def _unescape(self, text: str) -> str:
         text = self._pending_escape + text
+        if _ESCAPE not in text:  # nearly every token: no regular expression to run
+            self._pending_escape = ""
+            return text
         self._pending_escape = _ESCAPE if _ESCAPE_OPEN.search(text) else ""
         return _unescape(text[: len(text) - len(self._pending_escape)])
 

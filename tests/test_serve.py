@@ -39,12 +39,12 @@ from aftgen.sampling import PromptReader, SamplingOptions, generate, read_prompt
 from aftgen.serve import batch as batch_module
 from aftgen.serve.app import Server
 from aftgen.serve.batch import Batch, CompiledBatchStep
-from aftgen.serve.engine import Engine
+from aftgen.serve.engine import TEXT_EVERY, Engine, merged_texts
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.schema import APIError, parse_request
 from aftgen.serve.server import prepare
 from aftgen.serve.sessions import SUFFIX, SessionStore
-from aftgen.serve.work import Done, Failed, Started, Text, Work
+from aftgen.serve.work import Done, Failed, Finished, Started, Text, Ticket, Work
 from aftgen.state import load_state
 from aftgen.tokenizer import Tokenizer
 
@@ -296,18 +296,56 @@ def test_a_long_prompt_is_read_in_chunks_between_the_others_steps(tiny_run):
     ids = tokenizer.encode(prompt)
     assert len(ids) >= 160
     long_one = engine.submit(Work(ids, SamplingOptions(max_new_tokens=20, seed=4, temperature=1.0)))
+
+    def produced() -> int:
+        return next(row.stream.produced for row in engine.batch.rows if row.ticket is running_one)
+
     turns, published = 0, []
     while long_one not in published and turns < 100:
-        before = len(events)
+        before, tokens = len(events), produced()
         engine.turn()
         turns += 1
         published = [ticket for ticket, _ in events[before:]]
-        assert published.count(running_one) == 1  # a token every turn
+        assert produced() == tokens + 1  # a token every turn (its text goes out every few milliseconds)
     assert turns == -(-(len(ids) + 1) // 16)  # BOS and the prompt, 16 tokens a turn
     while not any(isinstance(event, Done) for ticket, event in events if ticket is long_one):
         engine.turn()
     text = "".join(event.text for ticket, event in events if ticket is long_one and isinstance(event, Text))
     assert text == library_text(tiny_run, prompt, max_new_tokens=20, seed=4, temperature=1.0)
+
+
+def test_text_goes_out_every_few_milliseconds_and_a_start_or_an_end_at_once(tiny_run):
+    """Each hand-over of events wakes the HTTP side, so a turn's text waits up to TEXT_EVERY to go with the
+    next turns' (joined per choice, in order); a start or an end goes out in the turn it happens."""
+    model, tokenizer = load(tiny_run, device=DEVICE)
+    now = [100.0]
+    engine = Engine(model, tokenizer, ServeOptions(cache_mb=0), resolve(DEVICE, "fp32"), clock=lambda: now[0])
+    handed: list[list] = []
+    engine.publish = handed.append
+    ticket = engine.submit(Work(tokenizer.encode("KING:"), SamplingOptions(max_new_tokens=6, temperature=0)))
+    engine.turn()
+    assert [type(event) for _, event in handed.pop()][0] is Started
+    for _ in range(3):
+        engine.turn()  # the clock stands still: the text waits
+    assert not handed
+    now[0] += TEXT_EVERY
+    engine.turn()
+    (batch,) = handed
+    assert [type(event) for _, event in batch] == [Text] and len(tokenizer.encode(batch[0][1].text)) >= 2
+    handed.clear()
+    while not handed:
+        engine.turn()
+    assert [type(event) for _, event in handed[-1]][-2:] == [Finished, Done] and ticket.unfinished == 0
+
+
+def test_merged_texts_joins_a_choices_texts_until_an_end_of_its_request_comes_between():
+    one, two = (Ticket(Work([], SamplingOptions()), 0.0) for _ in range(2))
+    events = [(one, Text(0, "a")), (two, Text(0, "x")), (one, Text(1, "b")), (one, Text(0, "c")),
+              (one, Finished(0, "length", 2)), (one, Text(0, "d")), (two, Text(0, "y"))]  # fmt: skip
+    assert merged_texts(events) == [
+        (one, Text(0, "ac")), (two, Text(0, "xy")), (one, Text(1, "b")), (one, Finished(0, "length", 2)),
+        (one, Text(0, "d")),
+    ]  # fmt: skip
 
 
 def test_queued_requests_wait_and_a_disconnect_frees_the_slot_at_once(tiny_run):

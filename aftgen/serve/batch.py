@@ -49,6 +49,7 @@ class Batch:
         self.offsets: list[int] = []
         self.position = 0
         self.stepped: ModelState | None = None  # what the step is handed: views of the rows, while they stay
+        self.logits: torch.Tensor | None = None  # the last step's (B, vocab), while the rows stay as they were
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -66,7 +67,7 @@ class Batch:
                     buffer[row].copy_(layer[name][0])
             self.rows.append(owner)
             self.offsets.append(self.position - position)
-            self.stepped = None
+            self.stepped = self.logits = None
 
     def state_of(self, owner: object) -> tuple[ModelState, int]:
         """A copy of one row's state as a batch-1 state at its own position, and that position."""
@@ -86,10 +87,10 @@ class Batch:
                 self.rows[row], self.offsets[row] = self.rows[last], self.offsets[last]
             self.rows.pop()
             self.offsets.pop()
-            self.stepped = None
+            self.stepped = self.logits = None
 
     def clear(self) -> None:
-        self.rows, self.offsets, self.stepped = [], [], None
+        self.rows, self.offsets, self.stepped, self.logits = [], [], None, None
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -101,9 +102,9 @@ class Batch:
                 | {"position": torch.tensor(self.position, dtype=torch.long, device=device)}
                 for layer in self.buffers
             ]
-        logits, _ = self.run_step(tokens, self.stepped)  # updates the rows and positions in place
+        self.logits, _ = self.run_step(tokens, self.stepped)  # updates the rows and positions in place
         self.position += 1
-        return logits
+        return self.logits
 
 
 class CompiledBatchStep:
