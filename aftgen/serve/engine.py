@@ -305,8 +305,8 @@ class Engine:
         if not rows:
             return
         logits = self.batch.step(tokens)
-        for i, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
-            self._text(row, row.stream.accept(token, logits[i : i + 1]))
+        for row, token, row_logits in zip(rows, tokens.tolist(), logits.split(1), strict=True):
+            self._text(row, row.stream.accept(token, row_logits))
         self._finish([row for row in rows if row.stream.done])
 
     def _choose(self) -> torch.Tensor:
