@@ -230,5 +230,5 @@ def test_the_page_is_served_as_html_for_this_server_only_and_no_webui_turns_it_o
     page = httpx.get(f"{open_url}/", timeout=10)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "connect-src 'self'" in page.headers["content-security-policy"]
-    with running(tiny_run, api_key=None, webui=False) as url:
+    with running(tiny_run, in_process=True, api_key=None, webui=False) as url:
         assert httpx.get(f"{url}/", timeout=10).status_code == 404

@@ -30,6 +30,7 @@ from typer.testing import CliRunner
 
 import aftgen.options
 from aftgen.api import load
+from aftgen.bench.measure import tree_memory_mb
 from aftgen.bench.options import BenchServeOptions
 from aftgen.bench.serve import StreamTiming, bench_serve, best_of, phase_figures
 from aftgen.cli import app
@@ -276,7 +277,7 @@ def test_second_chat_turn_reads_only_its_new_tokens(url, tiny_run):
     second = api.chat.completions.create(messages=history, model=tiny_run.name, max_tokens=30, seed=5)
     new_tokens = len(tokenizer.encode("QUEEN: and what then?\n"))
     assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - new_tokens
-    with running(tiny_run, cache_mb=0) as fresh_url:
+    with running(tiny_run, in_process=True, cache_mb=0) as fresh_url:
         fresh = client(fresh_url).chat.completions.create(messages=history, model=tiny_run.name, max_tokens=30, seed=5)
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert fresh.usage.prompt_tokens == second.usage.prompt_tokens
@@ -424,7 +425,7 @@ def test_errors_get_their_status_in_openai_shape(url):
 
 
 def test_a_request_past_its_time_gets_504(tiny_run):
-    with running(tiny_run, timeout=0.05) as url:
+    with running(tiny_run, in_process=True, timeout=0.05) as url:
         error = assert_openai_error(post(url, "/v1/completions", json={"prompt": "x", "max_tokens": LONG}), 504)
         assert "0.05 s" in error["message"]
         assert busy_slots(url) == 0
@@ -577,7 +578,7 @@ def test_a_session_that_cannot_be_saved_fails_its_own_request_alone(tiny_run, tm
     request gets a 500 naming its file (not the server's folder), an unrelated stream goes on untouched,
     and the session stays as it was before those turns (a twin that never had them ends in the same state)."""
     turn = dict(max_tokens=6, temperature=0)
-    with running(tiny_run, sessions_dir=tmp_path) as url, httpx.Client(timeout=60) as http:
+    with running(tiny_run, in_process=True, sessions_dir=tmp_path) as url, httpx.Client(timeout=60) as http:
         for name in ("dave", "erin"):
             assert post(url, "/v1/completions", json={"prompt": "KING:", "session": name} | turn).status_code == 200
         other = Stream(http, url, "QUEEN:", LONG)
@@ -684,7 +685,7 @@ def closed_by_server(sock: socket.socket, until: float) -> bool:
 def test_slow_clients_are_disconnected_while_others_are_served(tiny_run):
     """Forty clients send half their headers, one half its body, one nothing: each is closed within a
     few read timeouts (the body's gets a 408 first), and a normal client is served meanwhile."""
-    with running(tiny_run, read_timeout=1.0) as url:
+    with running(tiny_run, in_process=True, read_timeout=1.0) as url:
         address = urllib.parse.urlsplit(url)[1].split(":")
         slow = [socket.create_connection(address) for _ in range(42)]
         for sock in slow[:40]:
@@ -736,7 +737,7 @@ def test_session_files_past_the_cap_go_least_recently_used_first(tiny_run, tmp_p
     def saved() -> set[str]:
         return {path.name.removesuffix(SUFFIX) for path in tmp_path.glob(f"*{SUFFIX}")}
 
-    with running(tiny_run, sessions_dir=tmp_path, max_session_files=3) as url:
+    with running(tiny_run, in_process=True, sessions_dir=tmp_path, max_session_files=3) as url:
         fresh = [turn(url, name) for name in ("s1", "s2", "s3")]
         continued = turn(url, "s1")  # s1 is now the most recently used
         assert continued == fresh[0] - 1
@@ -745,21 +746,21 @@ def test_session_files_past_the_cap_go_least_recently_used_first(tiny_run, tmp_p
         assert saved() == {"s1", "s4", "s5"} and health(url)["session_files"] == 3
         assert turn(url, "s2") == fresh[1]  # its file was removed and it left memory: it starts anew
         assert saved() == {"s4", "s5", "s2"}
-    with running(tiny_run, sessions_dir=tmp_path, max_session_files=2) as url:  # restarted: order by file time
+    # restarted: order by file time
+    with running(tiny_run, in_process=True, sessions_dir=tmp_path, max_session_files=2) as url:
         assert health(url)["session_files"] == 3
         turn(url, "s6")
         assert saved() == {"s2", "s6"} and health(url)["session_files"] == 2
 
 
-SOAK_SECONDS = float(os.environ.get("AFTGEN_SOAK_SECONDS", "30"))
+SOAK_SECONDS = float(os.environ.get("AFTGEN_SOAK_SECONDS", "20"))
 SOAK_CLIENTS = 32
 SOAK_RSS_GROWTH_MB = 50  # README, "What happens when...": the bound on resident memory growth after warm-up
 
 
 def resident_mb() -> float:
-    """This process's resident memory (the server runs in it)."""
-    status = open("/proc/self/status").read()
-    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
+    """This process's resident memory and its children's (the server's HTTP side runs in it, its engine in one)."""
+    return tree_memory_mb(os.getpid())[0]
 
 
 async def soak_client(http: httpx.AsyncClient, url: str, index: int, until: float, tally: dict) -> None:
@@ -805,7 +806,7 @@ async def soak_client(http: httpx.AsyncClient, url: str, index: int, until: floa
 
 @pytest.mark.soak
 def test_soak_32_streaming_clients_leave_no_stream_cut_short_and_memory_flat(tiny_run, tmp_path):
-    """About 30 s (AFTGEN_SOAK_SECONDS) of 32 clients on 127.0.0.1: streams run to [DONE], resident
+    """About 20 s (AFTGEN_SOAK_SECONDS) of 32 clients on 127.0.0.1: streams run to [DONE], resident
     memory after warm-up grows by at most SOAK_RSS_GROWTH_MB, and every session file loads."""
     tally = {"whole": 0, "left": 0, "bad": 0}
 
@@ -836,7 +837,7 @@ BAD_SESSION_NAMES = ["../etc", "..", ".hidden", "", "a/b", "a\\b", "/abs", "a b"
 
 def test_session_names_that_could_leave_their_folder_are_refused(tiny_run, tmp_path):
     """Each bad name is a 400 naming 'session' and writes nothing anywhere; a good one with dots and dashes works."""
-    with running(tiny_run, sessions_dir=tmp_path / "sessions") as url:
+    with running(tiny_run, in_process=True, sessions_dir=tmp_path / "sessions") as url:
         for name in BAD_SESSION_NAMES:
             body = {"prompt": "x", "max_tokens": 1, "session": name}
             assert_openai_error(post(url, "/v1/completions", json=body), 400, "session")
@@ -983,7 +984,7 @@ def test_health_names_the_model_only_to_a_client_with_the_key(url, tiny_run):
 
 def test_a_damaged_session_is_named_without_the_servers_folder(tiny_run, tmp_path):
     (tmp_path / f"broken{SUFFIX}").write_bytes(b"not a state file")
-    with running(tiny_run, sessions_dir=tmp_path) as url:
+    with running(tiny_run, in_process=True, sessions_dir=tmp_path) as url:
         body = {"prompt": "x", "max_tokens": 1, "session": "broken"}
         error = assert_openai_error(post(url, "/v1/completions", json=body), 400)
     assert "'broken'" in error["message"] and str(tmp_path) not in error["message"]

@@ -1,4 +1,4 @@
-"""The HTTP side: OpenAI's routes on Starlette, over the engine's thread.
+"""The HTTP side: OpenAI's routes on Starlette, over the engine (in a process of its own: aftgen.serve.remote).
 
 GET /health, GET /controls (the sampling fields' ranges and defaults), GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions, and GET / (the playground page, unless --no-webui). Every error, ours or
