@@ -189,6 +189,7 @@ def test_the_plan_is_made_at_the_speed_of_the_step_with_the_dropout_the_recipe_c
         return 20_000.0 * (0.8 if config.dropout else 1.0)
 
     monkeypatch.setattr(probe, "tokens_per_s", tokens_per_s)
+    monkeypatch.setattr(probe, "check_seconds", lambda config, windows, device: 0.0)
     options = TrainOptions(corpus=Path("corpus.txt"), dtype="fp32", max_time=900.0)
     chosen = probe.choose_recipe(options, SHAKESPEARE, ("small",), sized, resolve("cpu", "fp32"))
     assert chosen.dropout > 0 and timed == [(192, 0.0), (192, chosen.dropout)]
@@ -198,6 +199,27 @@ def test_the_plan_is_made_at_the_speed_of_the_step_with_the_dropout_the_recipe_c
     timed.clear()
     assert probe.choose_recipe(given, SHAKESPEARE, ("small",), sized, resolve("cpu", "fp32")).tokens_per_s == 20_000.0
     assert timed == [(192, 0.0)]
+
+
+def test_the_plan_leaves_the_held_out_checks_their_share_of_the_time(monkeypatch):
+    """A check's scores (two with a weight average) are timed with the windows the run scores, and the plan's
+    speed is the run's over its whole budget: its steps fit beside its checks."""
+    scored = []
+
+    def check_seconds(config, windows, device) -> float:
+        scored.append(windows)
+        return 0.5
+
+    monkeypatch.setattr(probe, "tokens_per_s", lambda config, batch_size, placement: 20_000.0)
+    monkeypatch.setattr(probe, "check_seconds", check_seconds)
+    options = TrainOptions(corpus=Path("corpus.txt"), dtype="fp32", max_time=900.0, dropout=0.0)
+    first = recipe.choose(SHAKESPEARE, 1024, 900.0, None, lambda preset: 20_000.0, ("small",), "fp32", lambda p: 2048)
+    chosen = probe.choose_recipe(options, SHAKESPEARE, ("small",), sized, resolve("cpu", "fp32"))
+    assert scored == [first.eval_windows] and first.ema
+    assert (chosen.dropout, chosen.weight_decay, chosen.ema) == (first.dropout, first.weight_decay, first.ema)
+    checks_time = first.steps / first.eval_interval * 2 * 0.5
+    assert chosen.tokens_per_s == pytest.approx(20_000.0 * (1 - checks_time / 900))
+    assert chosen.steps * 2048 / 20_000.0 + chosen.steps / first.eval_interval * 2 * 0.5 <= 900
 
 
 def sized(preset: str) -> tuple[AFTConfig, int]:

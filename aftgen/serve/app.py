@@ -138,7 +138,8 @@ class Server:
             self.authorize(request)
         except APIError:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "ok", "model": self.model_name} | self.engine.stats())
+        figures = await asyncio.to_thread(self.engine.stats)  # the engine's process answers: streams go on meanwhile
+        return JSONResponse({"status": "ok", "model": self.model_name} | figures)
 
     async def controls(self, request: Request) -> JSONResponse:
         """The sampling fields' types, ranges and defaults, for anyone (the playground reads them before its key)."""

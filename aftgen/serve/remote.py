@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aftgen.checkpoint import TOKENIZER
 from aftgen.errors import AftgenError
@@ -38,6 +38,9 @@ from aftgen.sampling import SamplingOptions
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.work import Done, Event, Failed, Finished, Started, Text, Ticket, Work
 from aftgen.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from aftgen.serve.engine import Engine
 
 EVENTS = {kind.__name__: kind for kind in (Started, Text, Finished, Failed, Done)}
 START_TIMEOUT = 600.0  # seconds for the child to load the model (a Hub download is done before) and compile
@@ -236,7 +239,7 @@ def _child(connection: Connection) -> None:
     engine.stop()
 
 
-def _answer(connection: Connection, engine, sending: threading.Lock) -> None:
+def _answer(connection: Connection, engine: Engine, sending: threading.Lock) -> None:
     """Do what the parent asks, until it says stop or goes away."""
     # The requests the engine still holds, by the parent's numbers (each ticket's inbox): gone once it drops them.
     tickets: weakref.WeakValueDictionary[int, Ticket] = weakref.WeakValueDictionary()
@@ -263,7 +266,7 @@ def _answer(connection: Connection, engine, sending: threading.Lock) -> None:
                 send(connection, ["stats", engine.stats()])
 
 
-def build_engine(options: ServeOptions):
+def build_engine(options: ServeOptions) -> Engine:
     """The engine `aftgen serve` runs for `options`: the model loaded, its step compiled (aftgen.serve.batch)."""
     from aftgen import cores
     from aftgen.api import load

@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from aftgen import cores
+from aftgen import cores, evaluate
 from aftgen.device import DTYPES, Placement, synchronize
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.training import recipe
@@ -18,6 +18,7 @@ from aftgen.training.options import TrainOptions
 
 WARM_UP_STEPS, TIMED_STEPS = 2, 3
 DTYPE_ROUNDS = 2
+MOST_ON_CHECKS = 0.5  # of the budget: a plan that leaves less than half to training is wrong about something
 
 
 def training_step(model: AFTLM, batch: int, length: int, autocast: Callable) -> Callable[[], None]:
@@ -63,8 +64,8 @@ def choose_recipe(
     placement: Placement,
 ) -> recipe.Recipe:
     """The recipe for a fresh run (recipe.choose) among `presets`, measuring this machine's speed as it goes (a
-    few seconds, before the budget's clock starts), and the chosen size once more with the dropout it will
-    train with; `sized(preset)`: the model and batch size the run would train."""
+    few seconds, before the budget's clock starts); with a time budget, planned at the speed the run will make
+    over it (`run_speed`). `sized(preset)`: the model and batch size the run would train."""
     dtype = _dtype(options.dtype, sized(presets[0]), placement)
     chosen = Placement(placement.device, DTYPES[dtype])
 
@@ -78,17 +79,45 @@ def choose_recipe(
     vocab_size = sized(presets[0])[0].vocab_size
     budget = (train_tokens, vocab_size, options.max_time, options.max_steps)
     first = recipe.choose(*budget, speed, presets, dtype, step_tokens)
-    dropout = first.dropout if options.dropout is None else options.dropout
-    if first.max_time is None or dropout == sized(first.preset)[0].dropout:  # a budget in steps: no plan by speed
+    if first.max_time is None:  # a budget in steps: no plan by speed
         return first
+    rate = run_speed(first, options, sized(first.preset), chosen)
+    planned = recipe.choose(*budget, lambda preset: rate, (first.preset,), dtype, step_tokens)
+    # The regularisation stays the one chosen at the step's own speed, the one `rate` was measured with: the
+    # checks' share of the time changes how many steps fit, not what the text needs.
+    return replace(planned, dropout=first.dropout, weight_decay=first.weight_decay, ema=first.ema)
 
-    # The sizes were timed before the recipe chose a dropout, which costs time of its own (0.3: about a tenth
-    # of a small model's step on a CPU): the plan is made again at the speed of the step the run will take.
-    def speed_with_dropout(preset: str) -> float:
-        config, batch_size = sized(preset)
-        return tokens_per_s(replace(config, dropout=dropout), batch_size, chosen)
 
-    return recipe.choose(*budget, speed_with_dropout, (first.preset,), dtype, step_tokens)
+def run_speed(
+    planned: recipe.Recipe, options: TrainOptions, model: tuple[AFTConfig, int], placement: Placement
+) -> float:
+    """Training tokens/s over the whole of `planned`'s time budget. Its step is timed again with the dropout it
+    will train with (the sizes were timed before the recipe chose one, and dropout 0.3 costs a small model about
+    a tenth of its step on a CPU), and its held-out checks take their share of the budget (two scores a check
+    with a weight average: 5% of a 5-minute run on 1 MB of prose here)."""
+    config, batch_size = model
+    dropout = planned.dropout if options.dropout is None else options.dropout
+    rate = planned.tokens_per_s
+    if dropout != config.dropout:
+        rate = tokens_per_s(replace(config, dropout=dropout), batch_size, placement)
+    windows = planned.eval_windows if options.eval_windows is None else options.eval_windows
+    scores = 2 if (planned.ema if options.ema is None else options.ema) else 1
+    checks = planned.steps / (planned.eval_interval if options.eval_interval is None else options.eval_interval)
+    spent = checks * scores * check_seconds(config, windows, placement.device)
+    return rate * (1 - min(MOST_ON_CHECKS, spent / planned.max_time))
+
+
+def check_seconds(config: AFTConfig, windows: int, device: torch.device) -> float:
+    """Seconds one held-out score of `windows` windows takes a model of `config` on `device`
+    (evaluate.window_loss, as a run's checks call it), after one untimed window."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model = AFTLM(config).to(device)
+        ids = torch.randint(0, config.vocab_size, (windows * (config.context_length + 1) + 1,))
+        evaluate.window_loss(model, ids, config.context_length, 1)
+        synchronize(device)
+        start = time.perf_counter()
+        evaluate.window_loss(model, ids, config.context_length, windows)  # a float: it waits for the device
+        return time.perf_counter() - start
 
 
 def _dtype(dtype: str, model: tuple[AFTConfig, int], placement: Placement) -> str:

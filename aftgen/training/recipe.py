@@ -93,7 +93,7 @@ class Recipe:
     patience: int
     max_time: float | None
     train_tokens: int
-    tokens_per_s: float | None  # measured, for the chosen size and dtype (None: a budget in steps only)
+    tokens_per_s: float | None  # measured for the chosen size and dtype, checks included (None: steps only)
     steps: int  # expected within the budget
     passes: float  # over the training tokens, expected within the budget
 
