@@ -40,12 +40,12 @@ from aftgen.sampling import PromptReader, SamplingOptions, generate, read_prompt
 from aftgen.serve import batch as batch_module
 from aftgen.serve.app import Server
 from aftgen.serve.batch import Batch, CompiledBatchStep
-from aftgen.serve.engine import TEXT_EVERY, Engine, merged_texts
+from aftgen.serve.engine import TEXT_EVERY, Engine
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.schema import APIError, parse_request
 from aftgen.serve.server import prepare
 from aftgen.serve.sessions import SUFFIX, SessionStore
-from aftgen.serve.work import Done, Failed, Finished, Started, Text, Ticket, Work
+from aftgen.serve.work import Done, Failed, Finished, Started, Text, Ticket, Work, merged_texts
 from aftgen.state import load_state
 from aftgen.tokenizer import Tokenizer
 

@@ -26,7 +26,7 @@ from aftgen.serve.engine import Engine
 from aftgen.serve.remote import EngineProcess
 from aftgen.serve.replies import Reply
 from aftgen.serve.schema import APIError, controls_body, parse_request
-from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket
+from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket, merged_texts
 
 # The page may talk to this server only: its own inline script and style, nothing fetched from elsewhere.
 PLAYGROUND_POLICY = (
@@ -259,7 +259,7 @@ class Server:
                 yield sse(reply.chunk(index, first=True))
         events = [first]
         while True:
-            for event in merged(events):
+            for _, event in merged_texts([(ticket, arrived) for arrived in events]):
                 if isinstance(event, Failed):  # an error event, then the stream ends as every stream does
                     yield sse(failure(event).body())
                     yield sse("[DONE]")
@@ -277,14 +277,3 @@ class Server:
             events = [await ticket.inbox.get()]
             while not ticket.inbox.empty():
                 events.append(ticket.inbox.get_nowait())
-
-
-def merged(events: list[Event]) -> list[Event]:
-    """Consecutive texts of one choice joined into one, so a client that fell behind catches up in few chunks."""
-    out: list[Event] = []
-    for event in events:
-        if isinstance(event, Text) and out and isinstance(out[-1], Text) and out[-1].index == event.index:
-            out[-1] = Text(event.index, out[-1].text + event.text)
-        else:
-            out.append(event)
-    return out

@@ -28,7 +28,7 @@ from aftgen.serve.batch import Batch
 from aftgen.serve.cache import PrefixCache, state_bytes
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.sessions import SessionStore
-from aftgen.serve.work import Done, Event, Failed, Finished, Started, Text, Ticket, Work
+from aftgen.serve.work import Done, Event, Failed, Finished, Started, Text, Ticket, Work, merged_texts
 from aftgen.tokenizer import Tokenizer
 
 OVERLOADED = "every generation slot is taken and the queue is full; try again shortly"
@@ -396,24 +396,6 @@ class Engine:
         self._from_cache(prompt)
         if prompt.read():
             self.cache.put(prompt.ids, prompt.context.state, prompt.context.logits)
-
-
-def merged_texts(events: list[tuple[Ticket, Event]]) -> list[tuple[Ticket, Event]]:
-    """The events, each choice's texts joined into one until an event of its request that is not text."""
-    out: list[tuple[Ticket, Event]] = []
-    open_text: dict[tuple[Ticket, int], int] = {}  # a choice's text that may still grow: where it is in `out`
-    for ticket, event in events:
-        if isinstance(event, Text):
-            at = open_text.get((ticket, event.index))
-            if at is not None:
-                out[at] = (ticket, Text(event.index, out[at][1].text + event.text))
-                continue
-            open_text[ticket, event.index] = len(out)
-        else:
-            for key in [key for key in open_text if key[0] is ticket]:
-                del open_text[key]
-        out.append((ticket, event))
-    return out
 
 
 def not_finite(row: Row) -> Failed:

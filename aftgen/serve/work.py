@@ -71,3 +71,21 @@ class Ticket:
     cancelled: bool = False
     unfinished: int = 0  # choices still generating
     number: int = 0  # what an engine in another process knows it by (aftgen.serve.remote)
+
+
+def merged_texts(events: list[tuple[Ticket, Event]]) -> list[tuple[Ticket, Event]]:
+    """The events, each choice's texts joined into one until an event of its request that is not text."""
+    out: list[tuple[Ticket, Event]] = []
+    open_text: dict[tuple[Ticket, int], int] = {}  # a choice's text that may still grow: where it is in `out`
+    for ticket, event in events:
+        if isinstance(event, Text):
+            at = open_text.get((ticket, event.index))
+            if at is not None:
+                out[at] = (ticket, Text(event.index, out[at][1].text + event.text))
+                continue
+            open_text[ticket, event.index] = len(out)
+        else:
+            for key in [key for key in open_text if key[0] is ticket]:
+                del open_text[key]
+        out.append((ticket, event))
+    return out
