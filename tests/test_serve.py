@@ -89,8 +89,13 @@ def running(model_dir, in_process: bool = False, **changes) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def url(tiny_run) -> Iterator[str]:
+    """The module's server; when it stops, its engine's process is gone too (where /proc tells)."""
+    tracked = Path("/proc/self/task").exists()
+    before = set(engine_processes()) if tracked else set()
     with running(tiny_run) as base:
+        children = set(engine_processes()) - before if tracked else set()
         yield base
+    wait_for(lambda: not children & set(engine_processes() if tracked else []))
 
 
 def client(url: str) -> openai.OpenAI:
@@ -753,7 +758,7 @@ def test_session_files_past_the_cap_go_least_recently_used_first(tiny_run, tmp_p
         assert saved() == {"s2", "s6"} and health(url)["session_files"] == 2
 
 
-SOAK_SECONDS = float(os.environ.get("AFTGEN_SOAK_SECONDS", "20"))
+SOAK_SECONDS = float(os.environ.get("AFTGEN_SOAK_SECONDS", "12"))
 SOAK_CLIENTS = 32
 SOAK_RSS_GROWTH_MB = 50  # README, "What happens when...": the bound on resident memory growth after warm-up
 
@@ -806,7 +811,7 @@ async def soak_client(http: httpx.AsyncClient, url: str, index: int, until: floa
 
 @pytest.mark.soak
 def test_soak_32_streaming_clients_leave_no_stream_cut_short_and_memory_flat(tiny_run, tmp_path):
-    """About 20 s (AFTGEN_SOAK_SECONDS) of 32 clients on 127.0.0.1: streams run to [DONE], resident
+    """About 12 s (AFTGEN_SOAK_SECONDS) of 32 clients on 127.0.0.1: streams run to [DONE], resident
     memory after warm-up grows by at most SOAK_RSS_GROWTH_MB, and every session file loads."""
     tally = {"whole": 0, "left": 0, "bad": 0}
 
@@ -1168,7 +1173,8 @@ def engine_processes() -> list[int]:
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
 def test_an_engine_process_that_dies_fails_its_requests_and_ends_with_the_server(tiny_run):
     """The engine runs in a child process: if it dies, a stream it was generating ends with an error event and
-    [DONE], and later requests get a 500 at once (nothing hangs); when the server stops, its child is gone."""
+    [DONE], and later requests get a 500 at once (nothing hangs). (That a child ends with its server: the
+    `url` fixture checks when its server stops.)"""
     before = set(engine_processes())
     with running(tiny_run) as url, httpx.Client(timeout=60) as http:
         (child,) = set(engine_processes()) - before
@@ -1180,6 +1186,4 @@ def test_an_engine_process_that_dies_fails_its_requests_and_ends_with_the_server
         assert json.loads(rest[-2][6:])["error"]["type"] == "server_error" and rest[-1] == "data: [DONE]"
         error = assert_openai_error(post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 4}), 500)
         assert "restart the server" in error["message"]
-    with running(tiny_run):
-        (child,) = set(engine_processes()) - before
-    wait_for(lambda: child not in engine_processes())
+    assert child not in engine_processes()
