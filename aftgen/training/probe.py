@@ -14,7 +14,7 @@ from aftgen import cores, evaluate
 from aftgen.device import DTYPES, Placement, synchronize
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.training import recipe
-from aftgen.training.options import TrainOptions
+from aftgen.training.options import RECIPE_FIELDS, TrainOptions
 
 WARM_UP_STEPS, TIMED_STEPS = 2, 3
 DTYPE_ROUNDS = 2
@@ -96,14 +96,12 @@ def run_speed(
     a tenth of its step on a CPU), and its held-out checks take their share of the budget (two scores a check
     with a weight average: 5% of a 5-minute run on 1 MB of prose here)."""
     config, batch_size = model
-    dropout = planned.dropout if options.dropout is None else options.dropout
+    run = replace(planned, **options.given(RECIPE_FIELDS))  # the recipe with the user's options, as it will run
     rate = planned.tokens_per_s
-    if dropout != config.dropout:
-        rate = tokens_per_s(replace(config, dropout=dropout), batch_size, placement)
-    windows = planned.eval_windows if options.eval_windows is None else options.eval_windows
-    scores = 2 if (planned.ema if options.ema is None else options.ema) else 1
-    checks = planned.steps / (planned.eval_interval if options.eval_interval is None else options.eval_interval)
-    spent = checks * scores * check_seconds(config, windows, placement.device)
+    if run.dropout != config.dropout:
+        rate = tokens_per_s(replace(config, dropout=run.dropout), batch_size, placement)
+    checks = planned.steps / run.eval_interval
+    spent = checks * (2 if run.ema else 1) * check_seconds(config, run.eval_windows, placement.device)
     return rate * (1 - min(MOST_ON_CHECKS, spent / planned.max_time))
 
 
