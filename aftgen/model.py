@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import math
+import operator
 import os
 import time
 import typing
@@ -353,10 +354,19 @@ def _compiled(function: Callable, warm_up: Callable[[Callable], object]) -> tupl
 
 # The step is compiled ahead of time (torch.export, then AOTInductor) rather than through torch.compile:
 # a step is a millisecond, and torch.compile's guards and Python wrappers cost a third of one beside the
-# step's own matrix-vector products (its floor); a package's C++ runner costs a tenth. Its fused kernels
-# take torch's thread count when they run, not when they were compiled: it follows aftgen.cores' share.
-STEP_PACKAGE_CONFIG = {"cpp.dynamic_threads": True, "reorder_for_locality": False}
-STEP_PACKAGE_FORMAT = 1  # bump when what a package holds or takes changes
+# step's own matrix-vector products (its floor); a package's C++ runner costs a tenth. The package holds no
+# weights: it reads the model's own as constants handed to it once (aftgen.aoti), and serves every model of
+# the architecture. So no weight may be written into its code, as the compiler would a small one.
+STEP_PACKAGE_CONFIG = {
+    "reorder_for_locality": False,
+    "aot_inductor.package_constants_in_so": False,
+    "always_keep_tensor_constants": True,
+}
+# How the fused kernels use threads. A batch's take torch's thread count when they run, not when they were
+# compiled: they follow aftgen.cores' share. A single row's work between its products (a few hundred numbers
+# a kernel) is shorter than waking a second thread: its kernels run on one, its products on torch's threads.
+STEP_THREADS = {"rows": {"cpp.dynamic_threads": True}, "one row": {"cpp.threads": 1}}
+STEP_PACKAGE_FORMAT = 2  # bump when what a package holds or takes changes
 
 
 def _weights(model: AFTLM) -> dict[str, torch.Tensor]:
@@ -364,25 +374,15 @@ def _weights(model: AFTLM) -> dict[str, torch.Tensor]:
 
 
 class _Step(nn.Module):
+    """What torch.export sees: the step as a function of the token ids and the state, its logits out (the
+    state is updated in place); the model's weights are the program's constants."""
+
     def __init__(self, model: AFTLM):
         super().__init__()
         self.model = model
 
     def forward(self, ids: torch.Tensor, state: ModelState) -> torch.Tensor:
         return self.model.step(ids, state)[0]
-
-
-class _StepOfWeights(nn.Module):
-    """What torch.export sees: the step as a function of the weights, the token ids and the state, its
-    logits out (the state is updated in place). Weights as inputs, not constants: nothing computed from
-    them is folded into the package, which serves every model of the architecture, weights as they are."""
-
-    def __init__(self, model: AFTLM):
-        super().__init__()
-        self.step = (_Step(model),)  # in a tuple: not a submodule, so its weights are not the program's
-
-    def forward(self, weights: dict[str, torch.Tensor], ids: torch.Tensor, state: ModelState) -> torch.Tensor:
-        return torch.func.functional_call(self.step[0], {f"model.{n}": t for n, t in weights.items()}, (ids, state))
 
 
 class CompiledStep:
@@ -393,22 +393,31 @@ class CompiledStep:
     def __init__(self, model: AFTLM, one_row: PackageRunner, rows: PackageRunner, max_batch: int):
         self.model, self.max_batch = model, max_batch
         self.device = model.embed.weight.device
-        self.weights = list(_weights(model).values())  # the package's first inputs, in its order
-        self.names = list(model.initial_state(1)[0])  # then the ids, then each layer's tensors in this order
+        self.names = list(model.initial_state(1)[0])  # the package's inputs: the ids, then each layer's in this order
         self.one_row, self.rows = one_row, rows  # the packages' runners, called directly: no pytree per token
+        self.checked: list[torch.Tensor] = []  # the last inputs found laid out as the packages take them
 
     def __call__(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         ids = ids.to(self.device, torch.long).contiguous()
-        batch, inputs = ids.shape[0], [ids]
-        for layer in state:
-            inputs.extend(layer[name] for name in self.names)
-        # The package reads raw memory: shapes and strides must be the ones it was compiled for.
+        inputs = [ids, *(layer[name] for layer in state for name in self.names)]
+        if not self._laid_out(inputs):
+            return self.model.step(ids, state)
+        run = self.one_row if ids.shape[0] == 1 else self.rows
+        return run(inputs)[0], state
+
+    def _laid_out(self, inputs: list[torch.Tensor]) -> bool:
+        """Whether the package can read `inputs`' raw memory: the shapes and strides it was compiled for.
+        Checked once for a state that stays the same tensors from token to token (in place, as the step keeps it)."""
+        batch = inputs[0].shape[0]
+        if len(inputs) == len(self.checked) and batch == self.checked[0].shape[0]:
+            if all(map(operator.is_, inputs[1:], self.checked[1:])):
+                return True
         if not 1 <= batch <= self.max_batch or not all(
             t.is_contiguous() and (t.dim() == 0 or t.shape[0] == batch) for t in inputs
         ):
-            return self.model.step(ids, state)
-        run = self.one_row if batch == 1 else self.rows
-        return run(self.weights + inputs)[0], state
+            return False
+        self.checked = inputs
+        return True
 
 
 def compile_step(model: AFTLM, max_batch: int = 1) -> tuple[StepFunction, str]:
@@ -439,50 +448,73 @@ def _compiled_step(model: AFTLM, max_batch: int) -> tuple[CompiledStep, str]:
 
 
 def _step_runner(model: AFTLM, max_batch: int) -> tuple[PackageRunner, str]:
-    """The runner of the model's step package for 1 to `max_batch` rows, compiled now unless the cache has
-    it; and " (from the cache)" where it did. On a CPU it runs without Python's lock (aftgen.aoti)."""
+    """The runner of the model's step package for 1 to `max_batch` rows, and " (from the cache)" where the
+    cache had the package. On a CPU it runs without Python's lock (aftgen.aoti)."""
+    path, origin = step_package(model, max_batch)
+    runner = UnlockedRunner if model.embed.weight.device.type == "cpu" else loaded_runner
+    return runner(path, step_constants(model)), origin
+
+
+def step_package(model: AFTLM, max_batch: int) -> tuple[Path, str]:
+    """The path of the model's step package for 1 to `max_batch` rows, compiled now unless the cache has it;
+    and " (from the cache)" where it did."""
     use_persistent_compile_cache()
     path = compiled_folder() / f"step-{_step_key(model, max_batch)}.pt2"
-    origin = " (from the cache)"
-    if not path.exists():
-        _package_step(model, max_batch, path)
-        origin = ""
-    if model.embed.weight.device.type == "cpu":
-        return UnlockedRunner(path), origin
-    return torch._inductor.aoti_load_package(str(path)).loader.boxed_run, origin
+    if path.exists():
+        return path, " (from the cache)"
+    _package_step(model, max_batch, path)
+    return path, ""
+
+
+def step_constants(model: AFTLM) -> dict[str, torch.Tensor]:
+    """The model's weights by the names a step package knows them by (_Step's)."""
+    return {f"model.{name}": tensor for name, tensor in _weights(model).items()}
+
+
+def loaded_runner(path: Path, constants: dict[str, torch.Tensor]) -> PackageRunner:
+    """The runner of the package at `path` through torch's loader, reading `constants` in place. It holds
+    Python's lock as it runs: for a GPU, whose step only queues kernels."""
+    package = torch._inductor.aoti_load_package(str(path))
+    package.load_constants({name: constants[name] for name in package.get_constant_fqns()},
+                           check_full_update=True, user_managed=True)  # fmt: skip
+    return package.loader.boxed_run
 
 
 def _package_step(model: AFTLM, max_batch: int, path: Path) -> None:
     """Export the step for 1 to `max_batch` rows (one graph with a dynamic batch size, or batch 1 alone, its
     products written for one row) and compile it into a package at `path`, written atomically (another
     process may be loading it)."""
-    device = model.embed.weight.device
-    weights, ids = _weights(model), torch.zeros(max_batch, dtype=torch.long, device=device)
+    ids = torch.zeros(max_batch, dtype=torch.long, device=model.embed.weight.device)
     state, shapes = model.initial_state(max_batch), None
     if max_batch > 1:
         rows = torch.export.Dim("rows", min=1, max=max_batch)
         per_layer = [{name: {0: rows} if t.dim() else None for name, t in layer.items()} for layer in state]
-        shapes = (dict.fromkeys(weights), {0: rows}, per_layer)
-    configs = dict(STEP_PACKAGE_CONFIG)  # a copy: the compiler adds to the dict it is given
+        shapes = ({0: rows}, per_layer)
+    configs = _package_configs(max_batch)
     products = contextlib.nullcontext()
     if max_batch == 1:  # written-out products, rounded to bf16 as the matrix kernels round theirs
         products, configs["emulate_precision_casts"] = one_row_products(), True
     with warnings.catch_warnings(), products, atomic_open(path) as handle:
         # torch's own pytree code trips torch's own deprecation (2.13): a warning no user can act on
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
-        program = torch.export.export(_StepOfWeights(model), (weights, ids, state), dynamic_shapes=shapes)
+        program = torch.export.export(_Step(model), (ids, state), dynamic_shapes=shapes)
         torch._inductor.aoti_compile_and_package(program, package_path=handle, inductor_configs=configs)
+
+
+def _package_configs(max_batch: int) -> dict:
+    """The compiler's settings for a package of 1 to `max_batch` rows (a new dict: the compiler adds to it)."""
+    return STEP_PACKAGE_CONFIG | STEP_THREADS["one row" if max_batch == 1 else "rows"]
 
 
 def _step_key(model: AFTLM, max_batch: int) -> str:
     """What a compiled step depends on: the architecture, the batch range, the step's code, torch, the
-    machine's instruction set or GPU, autocast and the weights' dtype. Not the weights: the package takes them
-    at every call."""
+    machine's instruction set or GPU, autocast and the weights' dtype. Not the weights: the package is handed
+    them when it is loaded."""
     device = model.embed.weight.device
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
     facts = [STEP_PACKAGE_FORMAT, model.config.to_dict(), max_batch, str(device), hardware, str(autocast),
-             str(model.embed.weight.dtype), torch.__version__, STEP_PACKAGE_CONFIG]  # fmt: skip
+             str(model.embed.weight.dtype), torch.__version__, _package_configs(max_batch)]  # fmt: skip
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
     here = Path(__file__).parent
     for source in sorted([Path(__file__), here / "layers.py", *here.glob("mixers/*.py")]):  # the code the step runs

@@ -10,7 +10,7 @@ import torch
 from conftest import on_device
 
 from aftgen.layers import linear, one_row_products
-from aftgen.model import AFTLM, AFTConfig, clone_state, compile_step
+from aftgen.model import AFTLM, AFTConfig, clone_state, compile_step, loaded_runner, step_constants, step_package
 
 MAX_BATCH = 32
 
@@ -132,6 +132,28 @@ def test_a_second_compile_loads_the_cached_step_and_reads_the_models_own_weights
         torch.testing.assert_close(
             step(following[:, 1], fast)[0], eager(following[:, 1], slow)[0], rtol=1e-4, atol=1e-4
         )
+
+
+def test_torchs_loader_the_gpus_path_runs_the_package_on_another_models_weights(compiled):
+    """The path a GPU takes (torch's loader, the weights handed over as constants), run here on the package
+    the CPU's runner runs, for another model of the architecture."""
+    model, step = compiled
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.mul_(0.8)
+    path, origin = step_package(other, MAX_BATCH)
+    assert origin == " (from the cache)"
+    run = loaded_runner(path, step_constants(other))
+    state, following = read_prompts(other, 3)
+    fast, slow = clone_state(state), clone_state(state)
+    names = list(fast[0])
+    with torch.inference_mode():
+        for t in range(3):
+            ids = following[:, t].contiguous()
+            logits = run([ids, *(layer[name] for layer in fast for name in names)])[0]
+            torch.testing.assert_close(logits, other.step(ids, slow)[0], rtol=1e-4, atol=1e-4)
+    assert_states_close(fast, slow)
 
 
 def test_batches_and_states_the_package_was_not_compiled_for_step_eagerly(compiled):
