@@ -134,8 +134,8 @@ def library_text(model_dir, prompt: str, **options) -> str:
 
 @pytest.mark.parametrize("mixer", ["aft_local", "aft_simple"])
 def test_batched_step_matches_each_sequence_alone(mixer):
-    """Rows at different positions join and leave; each row's logits stay within 1e-4 of its own
-    batch-1 step (so greedy picks agree), and a row that leaves has its own state and position back."""
+    """Rows at different positions join and leave, one or two at once; each row's logits stay within 1e-4 of
+    its own batch-1 step (so greedy picks agree), and a row that leaves has its own state and position back."""
     torch.manual_seed(0)
     config = AFTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=4, window=5, context_length=16, mixer=mixer)
     model = on_device(AFTLM(config).eval())
@@ -145,15 +145,18 @@ def test_batched_step_matches_each_sequence_alone(mixer):
         batch = Batch(model, capacity=4)
         batch.add([(i, clone_state(alone[i]), positions[i]) for i in (0, 1, 2)])
         joins = {5: 3, 11: 4}
+        leaves = {11: [1], 17: [1], 20: [0, 1]}  # middle rows (the last fills their place), then two at once
         for t in range(24):
-            if t in (11, 17):  # a middle row leaves (the last one fills its place)
-                leaving = batch.rows[1]
-                state, position = batch.state_of(leaving)
-                batch.remove([leaving])
-                assert position == positions[leaving]
-                for mine, theirs in zip(state, alone[leaving], strict=True):
-                    for name in mine:
-                        torch.testing.assert_close(mine[name], theirs[name], rtol=1e-5, atol=1e-4)
+            if t in leaves:
+                leaving = [batch.rows[r] for r in leaves[t]]
+                for row in leaving:
+                    state, position = batch.state_of(row)
+                    assert position == positions[row]
+                    for mine, theirs in zip(state, alone[row], strict=True):
+                        for name in mine:
+                            torch.testing.assert_close(mine[name], theirs[name], rtol=1e-5, atol=1e-4)
+                batch.remove(leaving)
+                assert len(batch) == len(batch.offsets) and not set(leaving) & set(batch.rows)
             if t in joins:
                 batch.add([(joins[t], clone_state(alone[joins[t]]), positions[joins[t]])])
             tokens = torch.randint(0, 64, (len(batch),))

@@ -77,17 +77,22 @@ class Batch:
         return self.model.rephase(single, self.position, own), own
 
     def remove(self, owners: list[object]) -> None:
-        """Take these rows out; the last row moves into each gap."""
-        for owner in owners:
-            row, last = self.rows.index(owner), len(self.rows) - 1
-            if row != last:
-                for layer in self.buffers:
-                    for buffer in layer.values():
-                        buffer[row].copy_(buffer[last])
-                self.rows[row], self.offsets[row] = self.rows[last], self.offsets[last]
-            self.rows.pop()
-            self.offsets.pop()
-            self.stepped = self.logits = None
+        """Take these rows out: the last rows staying move into the gaps below, all in one copy per state tensor."""
+        leaving = {self.rows.index(owner) for owner in owners}
+        if not leaving:
+            return
+        kept = len(self.rows) - len(leaving)
+        gaps = sorted(row for row in leaving if row < kept)
+        movers = [row for row in range(kept, len(self.rows)) if row not in leaving]  # as many as the gaps
+        if gaps:
+            to, source = (torch.tensor(rows, device=self.model.embed.weight.device) for rows in (gaps, movers))
+            for layer in self.buffers:
+                for buffer in layer.values():
+                    buffer[to] = buffer[source]
+            for gap, mover in zip(gaps, movers, strict=True):
+                self.rows[gap], self.offsets[gap] = self.rows[mover], self.offsets[mover]
+        del self.rows[kept:], self.offsets[kept:]
+        self.stepped = self.logits = None
 
     def clear(self) -> None:
         self.rows, self.offsets, self.stepped, self.logits = [], [], None, None
