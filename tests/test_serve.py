@@ -14,6 +14,8 @@ import random
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -1190,3 +1192,21 @@ def test_an_engine_process_that_dies_fails_its_requests_and_ends_with_the_server
         error = assert_openai_error(post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 4}), 500)
         assert "restart the server" in error["message"]
     assert child not in engine_processes()
+
+
+def test_ctrl_c_stops_aftgen_serve_saying_only_that(tiny_run):
+    """As a user runs it: its address on stderr, a reply, Ctrl-C, and an exit that says it was interrupted and
+    nothing more (no traceback, nothing left over at exit for a library to report)."""
+    command = [sys.executable, "-m", "aftgen", "serve", "--model", str(tiny_run), "--port", "0", "--no-compile"]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        started = server.stderr.readline()
+        address = re.search(r"at (http://\S+)/v1", started)
+        assert address, started
+        reply = httpx.post(f"{address[1]}/v1/completions", json={"prompt": "KING:", "max_tokens": 5}, timeout=60)
+        assert reply.status_code == 200
+        server.send_signal(signal.SIGINT)
+        _, rest = server.communicate(timeout=60)
+    finally:
+        server.kill()
+    assert server.returncode == 130 and rest == "interrupted\n", rest

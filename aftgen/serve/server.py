@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import importlib.util
 import ipaddress
 import socket
@@ -83,5 +82,7 @@ def serve(options: ServeOptions) -> None:
               file=sys.stderr)  # fmt: skip
     page = f", playground at {url}/" if options.webui else ""
     print(f"aftgen serve: {model_name(options.model)} at {url}/v1{page} (Ctrl-C stops)", file=sys.stderr, flush=True)
-    gc.freeze()  # what is loaded stays: a full collection need not scan it while streams wait
-    server.run(sockets=[sock])
+    from aftgen.serve.remote import loaded_kept
+
+    with loaded_kept():
+        server.run(sockets=[sock])
