@@ -10,6 +10,7 @@ import fcntl
 import os
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
@@ -147,7 +148,7 @@ def _take_lock(path: Path, warn: Callable[[str], None]) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_pid(fd)
+            holder = _holders_pid(fd)
             os.close(fd)
             raise AftgenError(
                 f"{path.parent} is being written by another aftgen process{f' (PID {holder})' if holder else ''}; "
@@ -164,6 +165,15 @@ def _take_lock(path: Path, warn: Callable[[str], None]) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def _holders_pid(fd: int, wait: float = 0.1) -> str:
+    """The PID of the process that holds the lock: it writes it just after it locks, so a lock taken a moment
+    ago may show it only a few milliseconds later ("" if it never comes)."""
+    deadline = time.monotonic() + wait
+    while not (pid := _read_pid(fd)) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return pid
 
 
 def _read_pid(fd: int) -> str:

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -1198,7 +1199,10 @@ def test_ctrl_c_stops_aftgen_serve_saying_only_that(tiny_run):
     """As a user runs it: its address on stderr, a reply, Ctrl-C, and an exit that says it was interrupted and
     nothing more (no traceback, nothing left over at exit for a library to report)."""
     command = [sys.executable, "-m", "aftgen", "serve", "--model", str(tiny_run), "--port", "0", "--no-compile"]
-    server = subprocess.Popen(command, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    as_at_a_terminal = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)  # not a background job's
+    server = subprocess.Popen(
+        command, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, preexec_fn=as_at_a_terminal
+    )
     try:
         started = server.stderr.readline()
         address = re.search(r"at (http://\S+)/v1", started)
