@@ -51,6 +51,25 @@ def _block(k, v, t, c, k_t, v_t, T, D):
 
 
 @triton.jit
+def _head_weights(current, previous, into, entry, gamma, h, C: tl.constexpr):
+    """Head h's chunk weights: current and previous (C, C), into and entry (C,), gamma (a number)."""
+    i = tl.arange(0, C)
+    cur = tl.load(current + h * C * C + i[:, None] * C + i[None, :])
+    prev = tl.load(previous + h * C * C + i[:, None] * C + i[None, :])
+    return cur, prev, tl.load(into + h * C + i), tl.load(entry + h * C + i), tl.load(gamma + h)
+
+
+@triton.jit
+def _chunk_sums(cur, prev, ev, e, ev_prev, e_prev, reach, s_num, s_den, mask, PRECISION: tl.constexpr):
+    """A chunk's (num, den) (C, BD): its block and the one before through the weight matrices, plus the carried
+    sums S_n; den is 1 where masked, so that num / den stays finite there."""
+    num = tl.dot(cur, ev, input_precision=PRECISION) + tl.dot(prev, ev_prev, input_precision=PRECISION)
+    den = tl.dot(cur, e, input_precision=PRECISION) + tl.dot(prev, e_prev, input_precision=PRECISION)
+    num += reach[:, None] * s_num[None, :]
+    return num, tl.where(mask, den + reach[:, None] * s_den[None, :], 1.0)
+
+
+@triton.jit
 def _forward_kernel(
     q, k, v, y, states, current, previous, into, entry, gamma,
     q_b, q_t, q_h, k_b, k_t, k_h, v_b, v_t, v_h, y_b, y_t, y_h,
@@ -64,10 +83,7 @@ def _forward_kernel(
     states += (b * H + h) * N * 2 * D
     i = tl.arange(0, C)
     c = d_block * BD + tl.arange(0, BD)
-    cur = tl.load(current + h * C * C + i[:, None] * C + i[None, :])  # (C, C)
-    prev = tl.load(previous + h * C * C + i[:, None] * C + i[None, :])
-    reach, enter = tl.load(into + h * C + i), tl.load(entry + h * C + i)  # (C,)
-    fade = tl.load(gamma + h)
+    cur, prev, reach, enter, fade = _head_weights(current, previous, into, entry, gamma, h, C)
     s_num, s_den = tl.zeros((BD,), tl.float32), tl.zeros((BD,), tl.float32)
     ev_prev, e_prev = tl.zeros((C, BD), tl.float32), tl.zeros((C, BD), tl.float32)
     for n in range(N):
@@ -77,17 +93,37 @@ def _forward_kernel(
             tl.store(states + n * 2 * D + c, s_num, mask=c < D)
             tl.store(states + n * 2 * D + D + c, s_den, mask=c < D)
         if WRITE_Y:
-            num = tl.dot(cur, ev, input_precision=PRECISION) + tl.dot(prev, ev_prev, input_precision=PRECISION)
-            den = tl.dot(cur, e, input_precision=PRECISION) + tl.dot(prev, e_prev, input_precision=PRECISION)
             mask = (t < T)[:, None] & (c < D)[None, :]
-            num += reach[:, None] * s_num[None, :]
-            den = tl.where(mask, den + reach[:, None] * s_den[None, :], 1.0)
+            num, den = _chunk_sums(cur, prev, ev, e, ev_prev, e_prev, reach, s_num, s_den, mask, PRECISION)
             out = tl.where(mask, tl.sigmoid(_load(q, t, c, q_t, mask)) * num / den, 0.0)  # rows past T: unwritten
             tl.store(y + t[:, None] * y_t + c[None, :], out.to(y.dtype.element_ty), mask=mask)
         # S_{n+1} = gamma S_n + entry . block n-1: the block before this chunk leaves the window's reach.
         s_num = fade * s_num + tl.sum(enter[:, None] * ev_prev, axis=0)
         s_den = fade * s_den + tl.sum(enter[:, None] * e_prev, axis=0)
         ev_prev, e_prev = ev, e
+
+
+@triton.jit
+def _block_grad(cur, prev, enter, d_out, d_out_next, g2, PRECISION: tl.constexpr):
+    """dL/d(block n's sums) (C, BD), num's or den's: through chunk n (current), chunk n+1 (previous) and, once
+    it has left the window, S_{n+2} (entry)."""
+    grad = tl.dot(tl.trans(cur), d_out, input_precision=PRECISION)
+    grad += tl.dot(tl.trans(prev), d_out_next, input_precision=PRECISION)
+    return grad + enter[:, None] * g2[None, :]
+
+
+@triton.jit
+def _store_head_grads(
+    grad_current, grad_previous, grad_into, grad_entry, grad_gamma, share, d_cur, d_prev, d_reach, d_enter, d_fade,
+    C: tl.constexpr,
+):  # fmt: skip
+    """Row `share` of the per-program sums of the head weights' gradients (the inverse of _head_weights)."""
+    i = tl.arange(0, C)
+    tl.store(grad_current + share * C * C + i[:, None] * C + i[None, :], d_cur)
+    tl.store(grad_previous + share * C * C + i[:, None] * C + i[None, :], d_prev)
+    tl.store(grad_into + share * C + i, d_reach)
+    tl.store(grad_entry + share * C + i, d_enter)
+    tl.store(grad_gamma + share, d_fade)
 
 
 @triton.jit
@@ -111,10 +147,7 @@ def _backward_kernel(
     states += (b * H + h) * N * 2 * D
     i = tl.arange(0, C)
     c = d_block * BD + tl.arange(0, BD)
-    cur = tl.load(current + h * C * C + i[:, None] * C + i[None, :])
-    prev = tl.load(previous + h * C * C + i[:, None] * C + i[None, :])
-    reach, enter = tl.load(into + h * C + i), tl.load(entry + h * C + i)
-    fade = tl.load(gamma + h)
+    cur, prev, reach, enter, fade = _head_weights(current, previous, into, entry, gamma, h, C)
     d_cur, d_prev = tl.zeros((C, C), tl.float32), tl.zeros((C, C), tl.float32)
     d_reach, d_enter = tl.zeros((C,), tl.float32), tl.zeros((C,), tl.float32)
     d_fade = tl.zeros((BD,), tl.float32)
@@ -128,11 +161,8 @@ def _backward_kernel(
         ev_prev, e_prev = _block(k, v, t - C, c, k_t, v_t, T, D)
         s_num = tl.load(states + n * 2 * D + c, mask=c < D, other=0.0)
         s_den = tl.load(states + n * 2 * D + D + c, mask=c < D, other=0.0)
-        num = tl.dot(cur, ev, input_precision=PRECISION) + tl.dot(prev, ev_prev, input_precision=PRECISION)
-        den = tl.dot(cur, e, input_precision=PRECISION) + tl.dot(prev, e_prev, input_precision=PRECISION)
         mask = (t < T)[:, None] & (c < D)[None, :]
-        num += reach[:, None] * s_num[None, :]
-        den = tl.where(mask, den + reach[:, None] * s_den[None, :], 1.0)
+        num, den = _chunk_sums(cur, prev, ev, e, ev_prev, e_prev, reach, s_num, s_den, mask, PRECISION)
         gate = tl.sigmoid(_load(q, t, c, q_t, mask))
         # y = gate num / den: d num = dy gate / den, d den = -d num num / den, dq = d num num (1 - gate).
         dnum = _load(grad_y, t, c, g_t, mask) * gate / den
@@ -150,12 +180,8 @@ def _backward_kernel(
         d_fade += g1_num * s_num + g1_den * s_den  # S_{n+1} = gamma S_n + ...
         d_enter += tl.sum(g2_num[None, :] * ev + g2_den[None, :] * e, axis=1)  # S_{n+2} = ... + entry . block n
 
-        dz_num = tl.dot(tl.trans(cur), dnum, input_precision=PRECISION)
-        dz_num += tl.dot(tl.trans(prev), dnum_next, input_precision=PRECISION)
-        dz_num += enter[:, None] * g2_num[None, :]
-        dz_den = tl.dot(tl.trans(cur), dden, input_precision=PRECISION)
-        dz_den += tl.dot(tl.trans(prev), dden_next, input_precision=PRECISION)
-        dz_den += enter[:, None] * g2_den[None, :]
+        dz_num = _block_grad(cur, prev, enter, dnum, dnum_next, g2_num, PRECISION)
+        dz_den = _block_grad(cur, prev, enter, dden, dden_next, g2_den, PRECISION)
         # z = (e v, e), e = exp(k): dv = dz_num e, dk = dz_num e v + dz_den e.
         tl.store(grad_v + at, (dz_num * e).to(grad_v.dtype.element_ty), mask=mask)
         tl.store(grad_k + at, (dz_num * ev + dz_den * e).to(grad_k.dtype.element_ty), mask=mask)
@@ -165,11 +191,8 @@ def _backward_kernel(
         ev, e = ev_prev, e_prev
 
     share = (b * tl.num_programs(0) + d_block) * H + h  # this program's row of the per-program sums
-    tl.store(grad_current + share * C * C + i[:, None] * C + i[None, :], d_cur)
-    tl.store(grad_previous + share * C * C + i[:, None] * C + i[None, :], d_prev)
-    tl.store(grad_into + share * C + i, d_reach)
-    tl.store(grad_entry + share * C + i, d_enter)
-    tl.store(grad_gamma + share, tl.sum(d_fade, axis=0))
+    _store_head_grads(grad_current, grad_previous, grad_into, grad_entry, grad_gamma, share,
+                      d_cur, d_prev, d_reach, d_enter, tl.sum(d_fade, axis=0), C)  # fmt: skip
 
 
 def _launch_shape(q: torch.Tensor, current: torch.Tensor) -> tuple[int, tuple[int, int]]:
