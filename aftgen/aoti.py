@@ -59,8 +59,7 @@ class UnlockedRunner:
         self._constant_handles: list = []
         self.container = ctypes.c_void_p()
         self.library = ctypes.CDLL(str(_library_of(package_path)))
-        self._close = weakref.finalize(self, _close, self.library, self.container, self._held_handles,
-                                       self._constant_handles)  # fmt: skip
+        weakref.finalize(self, _close, self.library, self.container, self._held_handles, self._constant_handles)
         _check(self.library.AOTInductorModelContainerCreateWithDevice(ctypes.byref(self.container), 1, b"cpu", None))
         self._set_constants(constants)
         self.outputs = self._count("AOTInductorModelContainerGetNumOutputs")
