@@ -114,10 +114,13 @@ def test_a_named_preset_is_kept():
 
 
 def test_checks_are_spread_over_the_budget():
-    for max_steps in (40, 900, 12_000):
+    """Patience counts checks, so the checks' spacing must follow the budget, not a coarse rounding of it: plans
+    of 3,609 and 3,867 steps (the same budget, two probes' noise) both get about 25 checks."""
+    for max_steps in (900, 3_609, 3_867, 12_345):
         chosen = choose(SHAKESPEARE, 1024, max_time=None, max_steps=max_steps, speed=speeds(CPU))
-        assert max_steps / chosen.eval_interval == pytest.approx(recipe.CHECKS_PER_RUN, rel=0.7)
+        assert max_steps / chosen.eval_interval == pytest.approx(recipe.CHECKS_PER_RUN, rel=0.05)
         assert 1 <= chosen.warmup_steps <= max_steps // 10
+    assert choose(SHAKESPEARE, 1024, max_time=None, max_steps=40, speed=speeds(CPU)).eval_interval == 2
 
 
 def test_the_regularisation_table_grows_with_passes():
@@ -176,7 +179,7 @@ def test_the_shipped_model_is_the_recipes_but_for_what_its_recipe_file_names():
     chosen = choose(SHAKESPEARE, 1024, max_time=budget, max_steps=None, speed=speeds(CPU))
     assert (chosen.preset, chosen.activation, chosen.optimizer) == ("small", "relu2", "adamw")
     assert (chosen.dropout, chosen.weight_decay, chosen.ema, chosen.lr) == (0.3, 1.0, 0.995, 2e-3)
-    assert (chosen.eval_interval, chosen.eval_windows, chosen.keep_best, chosen.patience) == (500, 100, True, 3)
+    assert (chosen.eval_interval, chosen.eval_windows, chosen.keep_best, chosen.patience) == (350, 100, True, 3)
 
 
 def test_the_plan_is_made_at_the_speed_of_the_step_with_the_dropout_the_recipe_chose(monkeypatch):

@@ -200,11 +200,13 @@ def _worth_it(preset: str, steps: int, per_step: int, train_tokens: int, vocab_s
 
 
 def _round(value: float) -> int:
-    """A round number near `value` (1, 2 or 5 times a power of ten)."""
+    """`value` to two significant figures (140, 1,500): round step numbers in the log, and at most 5% from
+    `value`. Patience counts checks, so a coarser rounding (1, 2 or 5 times a power of ten) let the probe's
+    noise halve or double how long a run waits for a better one (100 or 200 steps for the same budget)."""
     if value < 1:
         return 1
-    power = 10 ** math.floor(math.log10(value))
-    return int(min((power * m for m in (1, 2, 5, 10)), key=lambda x: abs(x - value)))
+    power = 10 ** max(0, math.floor(math.log10(value)) - 1)
+    return int(round(value / power) * power)
 
 
 def _duration(seconds: float) -> str:
