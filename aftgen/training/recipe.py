@@ -200,9 +200,10 @@ def _worth_it(preset: str, steps: int, per_step: int, train_tokens: int, vocab_s
 
 
 def _round(value: float) -> int:
-    """`value` to two significant figures (140, 1,500): round step numbers in the log, and at most 5% from
-    `value`. Patience counts checks, so a coarser rounding (1, 2 or 5 times a power of ten) let the probe's
-    noise halve or double how long a run waits for a better one (100 or 200 steps for the same budget)."""
+    """`value` to two significant figures (140, 1,500): round step numbers in the log, and from 10 on at most
+    5% from `value` (below it, the nearest whole number). Patience counts checks, so a coarser rounding (1, 2
+    or 5 times a power of ten) let the probe's noise halve or double how long a run waits for a better one
+    (100 or 200 steps for the same budget)."""
     if value < 1:
         return 1
     power = 10 ** max(0, math.floor(math.log10(value)) - 1)
