@@ -1,19 +1,25 @@
-"""Atomic file writes: a crash at any moment leaves the old complete file or the new one, never half.
-Every write goes through `atomic_open`, which first refuses a path that is not a file to replace, and
-`locked_folder` keeps a folder to one writing process at a time."""
+"""The one door for every file aftgen reads or writes.
+
+Reads (`read_bytes`, `read_text`, `read_json`, `open_regular`) take regular files only, never block on a
+FIFO or device, and refuse a file larger than it can legitimately be before reading it. Writes go through
+`atomic_open`: a crash at any moment leaves the old complete file or the new one, never half, and the new
+file is renamed over the path (a link there is replaced, never written through). `locked_folder` keeps a
+folder to one writing process at a time. `shown` makes text read from a file safe to print."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import stat
 import tempfile
 import time
+import unicodedata
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, BinaryIO
 
 from aftgen.errors import AftgenError
 
@@ -53,9 +59,76 @@ def kind_of(mode: int) -> str:
     return _KINDS.get(stat.S_IFMT(mode), "a special file")
 
 
+def open_regular(path: Path | str, limit: int, what: str) -> BinaryIO:
+    """`path` opened for reading in binary, if it is a regular file of at most `limit` bytes (a link to one
+    is followed). The open itself never blocks (O_NONBLOCK: a FIFO would wait for a writer), and what was
+    opened is checked, not the name, so a link swapped in between cannot smuggle in a device or FIFO."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as exc:
+        raise AftgenError(f"cannot read {what} {path} ({exc.strerror or exc})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise AftgenError(f"{what} {path} is {kind_of(info.st_mode)}, not a regular file: remove or replace it")
+        _check_size(path, info.st_size, limit, what)
+        os.set_blocking(fd, True)  # a regular file's reads never wait; the flag would only make them fail
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _check_size(path: Path, size: int, limit: int, what: str) -> None:
+    if size > limit:
+        raise AftgenError(
+            f"{what} {path} is {size:,} bytes, more than it can hold ({limit:,}): it is damaged or not {what}; "
+            "remove or replace it"
+        )
+
+
+def read_bytes(path: Path | str, limit: int, what: str) -> bytes:
+    """The whole of a regular file of at most `limit` bytes (see `open_regular`); `what` names it in errors."""
+    with open_regular(path, limit, what) as handle:
+        try:
+            data = handle.read(limit + 1)  # limit + 1: a file that grew after the check is still refused
+        except OSError as exc:
+            raise AftgenError(f"cannot read {what} {path} ({exc.strerror or exc})") from None
+    _check_size(Path(path), len(data), limit, what)
+    return data
+
+
+def read_text(path: Path | str, limit: int, what: str, encoding: str = "utf-8") -> str:
+    """A regular file of at most `limit` bytes, decoded."""
+    data = read_bytes(path, limit, what)
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as exc:
+        raise AftgenError(f"{what} {path} is not {encoding} text (byte {exc.start}): remove or replace it") from None
+
+
+def read_json(path: Path | str, limit: int, what: str) -> Any:
+    """A regular file of at most `limit` bytes, parsed as JSON; malformed or absurdly nested is an AftgenError."""
+    text = read_text(path, limit, what)
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # RecursionError: a document nested thousands deep
+        reason = "nested too deep" if isinstance(exc, RecursionError) else shown(exc)
+        raise AftgenError(f"{what} {path} is not valid JSON ({reason}): remove or replace it") from None
+
+
+def shown(text: object, limit: int = 200) -> str:
+    """Text that came from a file, fit to print: control and format characters (escape sequences, bidi
+    overrides, newlines) dropped, and cut to `limit` characters."""
+    text = "".join(char for char in str(text) if unicodedata.category(char)[0] != "C")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 @contextlib.contextmanager
-def atomic_open(path: Path | str, mode: str = "wb") -> Iterator[IO]:
-    """Open a temporary file beside `path`; on success it is fsynced and renamed over `path`."""
+def atomic_open(path: Path | str, mode: str = "wb", durable: bool = True) -> Iterator[IO]:
+    """Open a temporary file beside `path`; on success it is renamed over `path` (a link there is
+    replaced, never followed). `durable` fsyncs it first: a file that can be lost in a crash skips that."""
     path = Path(path)
     check_output(path)
     try:
@@ -68,7 +141,8 @@ def atomic_open(path: Path | str, mode: str = "wb") -> Iterator[IO]:
             yield handle
             handle.flush()
             os.fchmod(handle.fileno(), _mode_for(path))  # mkstemp's 0600 would hide the file from others
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
@@ -195,7 +269,7 @@ def is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def atomic_write(path: Path | str, data: bytes | str) -> None:
-    """Write bytes or text to `path` atomically."""
-    with atomic_open(path, "wb") as handle:
+def atomic_write(path: Path | str, data: bytes | str, durable: bool = True) -> None:
+    """Write bytes or text to `path` atomically (see `atomic_open`)."""
+    with atomic_open(path, "wb", durable) as handle:
         handle.write(data.encode("utf-8") if isinstance(data, str) else data)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
 from pathlib import Path
 
@@ -77,6 +78,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def no_hang():
+    """Fail a test whose read blocks (a FIFO with no writer) or never ends (/dev/zero) instead of hanging
+    the suite: the alarm's exception interrupts the read."""
+
+    def stop(signum, frame):
+        raise TimeoutError("the command hung")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(120)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="session", autouse=True)

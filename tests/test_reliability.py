@@ -837,21 +837,6 @@ def test_reading_chunks_reuses_freed_memory_instead_of_faulting_in_fresh_pages()
 # --- Inputs: FIFOs and devices, crafted state files, weights too large to compute with --------------
 
 
-@pytest.fixture
-def no_hang():
-    """Fail a test whose read blocks (a FIFO with no writer) or never ends (/dev/zero) instead of hanging
-    the suite: the alarm's exception interrupts the read."""
-
-    def stop(signum, frame):
-        raise TimeoutError("the command hung")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(120)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
-
 def _fifo(folder: Path) -> tuple[Path, str]:
     os.mkfifo(folder / "fifo.txt")
     return folder / "fifo.txt", "a FIFO"

@@ -1,0 +1,70 @@
+"""The files door (aftgen.files): every file aftgen reads is a regular file of a bounded size, read without
+blocking on a FIFO or device, and every write or lock leaves the file a planted link points to alone."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from aftgen.errors import AftgenError
+from aftgen.files import atomic_write, open_regular, read_bytes, read_json, read_text, shown
+
+
+def test_a_fifo_is_refused_at_once(tmp_path, no_hang):
+    fifo = tmp_path / "entry.json"
+    os.mkfifo(fifo)
+    with pytest.raises(AftgenError, match=r"entry\.json is a FIFO, not a regular file"):
+        read_bytes(fifo, 1000, "the entry")
+
+
+def test_a_link_to_a_device_is_refused(tmp_path):
+    link = tmp_path / "state.safetensors"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(AftgenError, match="is a device, not a regular file"):
+        read_bytes(link, 1000, "the state file")
+    with pytest.raises(AftgenError, match="is a device"):
+        open_regular(link, 1000, "the state file")
+
+
+def test_a_file_over_its_limit_is_refused_before_it_is_read(tmp_path):
+    big = tmp_path / "big"
+    with open(big, "wb") as handle:
+        handle.truncate(3 << 30)  # sparse: 3 GB that take no disk and would take 3 GB of memory
+    with pytest.raises(AftgenError, match=r"big is 3,221,225,472 bytes, more than it can hold \(1,000\)"):
+        read_bytes(big, 1000, "the state file")  # the size comes from fstat: nothing was read
+
+
+def test_a_file_within_its_limit_is_read_whole(tmp_path):
+    (tmp_path / "a").write_bytes(b"x" * 1000)
+    assert read_bytes(tmp_path / "a", 1000, "a") == b"x" * 1000
+    with pytest.raises(AftgenError, match="more than it can hold"):
+        read_bytes(tmp_path / "a", 999, "a")
+
+
+def test_a_deep_or_malformed_json_is_one_error(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(AftgenError, match="nested too deep"):
+        read_json(deep, 1 << 20, "the entry")
+    (tmp_path / "bad.json").write_text('{"pid": ')
+    with pytest.raises(AftgenError, match="is not valid JSON"):
+        read_json(tmp_path / "bad.json", 1 << 20, "the entry")
+    (tmp_path / "latin.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(AftgenError, match="is not utf-8 text"):
+        read_text(tmp_path / "latin.txt", 100, "the text")
+
+
+def test_shown_strips_control_characters_and_cuts():
+    assert shown("aftgen \x1b[31msample\x1b]0;owned\x07\r\n\u202e") == "aftgen [31msample]0;owned"
+    cut = shown("x" * 50_000_000)
+    assert len(cut) == 200 and cut.endswith("…")
+
+
+def test_an_atomic_write_replaces_a_link_instead_of_writing_through_it(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "out").symlink_to(victim)
+    atomic_write(tmp_path / "out", "new", durable=False)
+    assert victim.read_text() == "precious"
+    assert not (tmp_path / "out").is_symlink() and (tmp_path / "out").read_text() == "new"
