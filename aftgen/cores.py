@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -25,11 +26,17 @@ from pathlib import Path
 
 import torch
 
+from aftgen.errors import AftgenError
+from aftgen.files import atomic_write, cache_dir, read_bytes, read_json, shown
+
 SOLO_VARIABLE = "AFTGEN_SOLO"  # set: every core and no registry (the behaviour before it; a bench of one job alone)
 LOOK_EVERY = 2.0  # seconds between two looks at the registry: a look costs about 0.1 ms, a wrong share far more
 IDLE_CPU = 0.2  # cores: a peer that says it is busy but used less than this since the last look is not (a
 # process that ran an aftgen command in-process and went on with other things, a chat waiting for its user)
 IDLE_AFTER = 1.0  # seconds without work before a server gives its share back (a client's next request is quick)
+ENTRY_LIMIT = 64 << 10  # bytes: an entry aftgen writes is under 4 KB; anything larger was not written by it
+PID_MAX = 1 << 22  # the most Linux's pid_max can be
+_ENTRY_NAME = re.compile(r"([0-9]{1,7})\.json")  # "<pid>.json": any other name in the folder is not ours to judge
 
 
 @dataclass(frozen=True)
@@ -62,51 +69,57 @@ class Registry:
         return self.folder / f"{self.pid}.json"
 
     def write(self, command: str, busy: bool) -> None:
-        """Add or update this process's entry (written whole, then renamed: a reader never sees half). Not
-        files.atomic_write: its fsync would stall a server's first request after a pause, and an entry is
-        worth nothing once its process is gone."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        """Add or update this process's entry (written whole beside it, then renamed: a reader never sees half,
+        and a link planted in the folder is replaced, never written through). Not fsynced: that would stall a
+        server's first request after a pause, and an entry is worth nothing once its process is gone."""
         record = {"pid": self.pid, "started": _start_time(self.pid), "command": command, "busy": busy}
-        partial = self.folder / f".{self.pid}.partial"
-        partial.write_text(json.dumps(record))
-        os.replace(partial, self.entry)
+        atomic_write(self.entry, json.dumps(record), durable=False)
 
     def leave(self) -> None:
         with contextlib.suppress(OSError):
             self.entry.unlink()
 
     def peers(self) -> list[Peer]:
-        """The live processes' entries, this one's too; the entries of processes that have died are removed."""
+        """The live processes' entries, this one's too. The entries of processes that have died are removed,
+        and so is anything named like an entry that is not one (a FIFO, a huge or malformed file): aftgen
+        never writes one, and left there it would be read again on every look."""
         found = []
         for path in self.folder.glob("*.json"):
-            record = _read(path)
-            if record is None:
+            if not (name := _ENTRY_NAME.fullmatch(path.name)):
                 continue
-            if not _alive(record["pid"], record.get("started")):
+            record = _read(path, int(name[1]))
+            if record is None or not _alive(record["pid"], record["started"]):
                 with contextlib.suppress(OSError):
                     path.unlink()
                 continue
             pid = record["pid"]
-            found.append(Peer(pid, str(record.get("command", "")), bool(record.get("busy")), _cpu_seconds(pid)))
+            found.append(Peer(pid, record["command"], record["busy"], _cpu_seconds(pid)))
         return found
 
 
-def _read(path: Path) -> dict | None:
-    """An entry, or None for one that cannot be read or is not an entry (it is left alone)."""
+def _read(path: Path, pid: int) -> dict | None:
+    """The entry of process `pid`, or None for one that is not a regular file of a valid entry for it."""
     try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
+        record = read_json(path, ENTRY_LIMIT, "the registry entry")
+    except AftgenError:
         return None
-    if not isinstance(record, dict) or not isinstance(record.get("pid"), int) or record["pid"] <= 0:
-        return None
-    return record
+    valid = (
+        isinstance(record, dict)
+        and type(record.get("pid")) is int  # JSON's true is no PID
+        and record["pid"] == pid
+        and 0 < pid <= PID_MAX
+        and isinstance(record.get("command"), str)
+        and type(record.get("busy")) is bool
+        and isinstance(record.get("started"), str | None)
+    )
+    return record if valid else None
 
 
 def _stat(pid: int) -> list[str]:
     """/proc/PID/stat's fields from the third on (Linux; empty elsewhere): the name before them may hold spaces."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
+        return read_bytes(f"/proc/{pid}/stat", 4096, "the process's status").decode().rpartition(")")[2].split()
+    except (AftgenError, UnicodeDecodeError):
         return []
 
 
@@ -129,8 +142,6 @@ def _alive(pid: int, started: str | None) -> bool:
         return False
     except PermissionError:  # another user's process: alive
         pass
-    except OverflowError:
-        return False
     return started is None or _start_time(pid) in (None, started)
 
 
@@ -156,7 +167,7 @@ class ThreadShare:
         self.threads, self.looked, self.reason = 0, float("-inf"), ""
         self.seen: dict[int, tuple[float, float]] = {}  # a peer's PID: when it was last looked at, its CPU seconds
         if registry is not None:
-            with contextlib.suppress(OSError):  # a cache folder that cannot be written: every core, as before
+            with contextlib.suppress(AftgenError):  # a cache folder that cannot be written: every core, as before
                 registry.write(command, busy)
 
     def look(self) -> int:
@@ -180,7 +191,7 @@ class ThreadShare:
         if len(pids) < local_world:
             self.reason = f"shared among torchrun's {local_world} processes"
             return max(1, min(self.most, self.cores // local_world))
-        self.reason = "shared with " + ", ".join(f"aftgen {p.command} (pid {p.pid})" for p in others)
+        self.reason = "shared with " + ", ".join(f"aftgen {shown(p.command, 60)} (pid {p.pid})" for p in others)
         return fair_share(self.cores, pids, self.pid, self.most)
 
     def _working(self, peer: Peer) -> bool:
@@ -216,7 +227,7 @@ class ThreadShare:
         """Tell the others whether this process computes now; one that starts work takes its share at once."""
         self.busy = busy
         if self.registry is not None:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(AftgenError):
                 self.registry.write(self.command, busy)
         if busy:
             self.look()
@@ -250,7 +261,6 @@ def claim(command: str, fixed: int | None = None, reserve: int = 0, busy: bool =
     has some, through adapt(busy=...)."""
     global _share
     from aftgen.device import physical_cores
-    from aftgen.files import cache_dir
 
     _leave()
     registry = None if os.environ.get(SOLO_VARIABLE) else Registry(cache_dir() / "running")

@@ -161,3 +161,64 @@ def test_claim_joins_the_registry_under_the_cache_and_leaves_it(tmp_path, monkey
 
 def _entry(threads_share: ThreadShare) -> dict:
     return json.loads(threads_share.registry.entry.read_text())
+
+
+def hostile_entries(folder, live_pid: int) -> None:
+    """What the audit planted in the registry: a FIFO, a JSON nested 100,000 deep, a live process's entry whose
+    command is 50 MB, and an entry whose PID is JSON's true (PID 1 to Python: alive, and busy for good)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(folder / "99999.json")
+    (folder / "99998.json").write_text("[" * 100_000 + "]" * 100_000)
+    (folder / f"{live_pid}.json").write_text(json.dumps({"pid": live_pid, "command": "x" * 50_000_000, "busy": True}))
+    (folder / "1.json").write_text(json.dumps({"pid": True, "busy": True}))
+
+
+def test_entries_that_are_not_entries_are_removed_without_hanging(tmp_path, no_hang):
+    hostile_entries(tmp_path, os.getppid())
+    live = {"pid": os.getppid(), "started": None, "command": "serve"}
+    for name, record in {
+        "2.json": live,  # not the PID its name says
+        "3.json": live | {"pid": "3"},
+        "4.json": live | {"busy": 1},
+        "5.json": live | {"command": ["serve"]},
+        "9999999.json": live | {"pid": 9999999},  # beyond any pid_max
+    }.items():
+        (tmp_path / name).write_text(json.dumps(record | {"busy": record.get("busy", True)}))
+    (tmp_path / "notes.json").write_text("[1, 2")  # not named like an entry: not ours to judge, left alone
+    assert Registry(tmp_path).peers() == []
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.json"]
+
+
+def test_a_link_planted_in_the_registry_is_not_written_through(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    folder = tmp_path / "running"
+    folder.mkdir()
+    registry = Registry(folder)
+    (folder / f".{registry.pid}.partial").symlink_to(victim)
+    registry.write("train", busy=True)
+    registry.entry.unlink()
+    registry.entry.symlink_to(victim)
+    registry.write("train", busy=False)
+    assert victim.read_text() == "precious"
+    assert json.loads(registry.entry.read_text())["busy"] is False
+
+
+def test_a_peers_command_is_shown_without_control_characters_and_cut(tmp_path):
+    threads_share, said, _ = share(tmp_path)
+    peer(tmp_path, "serve \x1b]0;owned\x07\x1b[2J" * 1000)
+    threads_share.look()
+    assert len(said) == 1 and said[0].isprintable() and len(said[0]) < 200
+
+
+def test_a_hostile_registry_leaves_a_command_every_core(tmp_path, no_hang):
+    """The issue's bar: with the audit's entries in the registry, `aftgen sample` ends quickly and cleanly, and
+    takes every core (a command that shares them says so on stderr)."""
+    hostile_entries(tmp_path / "running", os.getpid())
+    env = {k: v for k, v in os.environ.items() if k != cores.SOLO_VARIABLE} | {"AFTGEN_CACHE": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "aftgen", "sample", "-n", "5"], capture_output=True, env=env, timeout=30
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(done.stderr) < 10_000 and b"threads:" not in done.stderr
+    assert done.stderr.decode().replace("\n", "").isprintable()
