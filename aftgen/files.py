@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import json
 import os
 import stat
@@ -120,9 +121,9 @@ def read_json(path: Path | str, limit: int, what: str) -> Any:
 
 def shown(text: object, limit: int = 200) -> str:
     """Text that came from a file, fit to print: control and format characters (escape sequences, bidi
-    overrides, newlines) dropped, and cut to `limit` characters."""
-    text = "".join(char for char in str(text) if unicodedata.category(char)[0] != "C")
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    overrides, newlines) dropped, and cut to `limit` characters (read no further: the text may be huge)."""
+    kept = "".join(itertools.islice((c for c in str(text) if unicodedata.category(c)[0] != "C"), limit + 1))
+    return kept if len(kept) <= limit else kept[: limit - 1] + "…"
 
 
 @contextlib.contextmanager
@@ -214,11 +215,7 @@ def _create_folder(folder: Path) -> bool:
 def _take_lock(path: Path, warn: Callable[[str], None]) -> int:
     """The lock file's descriptor, flocked, with this process's PID written in it."""
     while True:
-        check_output(path)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise AftgenError(f"cannot lock {path.parent} ({exc.strerror or exc})") from None
+        fd = open_lock(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -234,10 +231,31 @@ def _take_lock(path: Path, warn: Callable[[str], None]) -> int:
         if _same_file(fd, path):
             break
         os.close(fd)  # its holder removed it as it ended, between our open and our flock: lock the new one
+    if not _holds_a_pid(fd):
+        os.close(fd)
+        raise AftgenError(f"{path} holds something other than a PID, so aftgen did not make it: remove it and retry")
     if holder := _read_pid(fd):
         warn(f"warning: {path.parent} was locked by process {holder}, which ended without unlocking it; taking over")
-    os.ftruncate(fd, 0)
+    os.ftruncate(fd, 0)  # ours: it holds a PID or nothing
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def open_lock(path: Path) -> int:
+    """A read-write descriptor of the lock file at `path`, created if absent. A link there is refused, never
+    followed (locking or writing it would reach the file it points to), and so is anything but a regular
+    file with no other name (a hard link is another file's content under this name)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise AftgenError(f"{path} is a link, not a lock file aftgen made: remove it and retry") from None
+        raise AftgenError(f"cannot lock {path.parent} ({exc.strerror or exc})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        kind = kind_of(info.st_mode) if not stat.S_ISREG(info.st_mode) else "a file with another name (a hard link)"
+        raise AftgenError(f"{path} is {kind}, not a lock file aftgen made: remove it and retry")
     return fd
 
 
@@ -254,6 +272,12 @@ def _read_pid(fd: int) -> str:
     """The PID in a lock file ("" when there is none: just created, or cut short)."""
     text = os.pread(fd, 32, 0).decode(errors="replace").strip()
     return text if text.isdecimal() else ""
+
+
+def _holds_a_pid(fd: int) -> bool:
+    """Whether a lock file holds what aftgen writes there: a PID and a newline, or nothing yet."""
+    text = os.pread(fd, 33, 0)
+    return len(text) <= 32 and (text.strip() == b"" or text.strip().isdigit())
 
 
 def _same_file(fd: int, path: Path) -> bool:

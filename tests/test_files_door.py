@@ -4,11 +4,15 @@ blocking on a FIFO or device, and every write or lock leaves the file a planted 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 
+from aftgen.corpus.cache import TokenFiles
 from aftgen.errors import AftgenError
-from aftgen.files import atomic_write, open_regular, read_bytes, read_json, read_text, shown
+from aftgen.files import LOCK, atomic_write, locked_folder, open_regular, read_bytes, read_json, read_text, shown
 
 
 def test_a_fifo_is_refused_at_once(tmp_path, no_hang):
@@ -68,3 +72,45 @@ def test_an_atomic_write_replaces_a_link_instead_of_writing_through_it(tmp_path)
     atomic_write(tmp_path / "out", "new", durable=False)
     assert victim.read_text() == "precious"
     assert not (tmp_path / "out").is_symlink() and (tmp_path / "out").read_text() == "new"
+
+
+@pytest.fixture
+def victim(tmp_path):
+    """A file of the user's that a planted link or hard link points to: it must come out unchanged."""
+    path = tmp_path / "victim"
+    path.write_text("precious")
+    yield path
+    assert path.read_text() == "precious"
+
+
+@pytest.mark.parametrize("plant", ["symlink", "hard link", "foreign file"])
+def test_a_lock_that_aftgen_did_not_make_is_refused_and_left_alone(tmp_path, victim, plant):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    lock = folder / LOCK
+    {"symlink": lock.symlink_to, "hard link": lock.hardlink_to, "foreign file": lambda v: lock.write_text("mine")}[
+        plant
+    ](victim)
+    with pytest.raises(AftgenError, match=r"\.lock (is a|holds).*remove it and retry"):
+        with locked_folder(folder, print):
+            pytest.fail("locked through a file that is not a lock")
+
+
+def test_the_corpus_cache_lock_is_not_written_through_a_link(tmp_path, victim):
+    (tmp_path / "entry").mkdir()
+    (tmp_path / "entry" / ".lock").symlink_to(victim)
+    files = TokenFiles(tmp_path / "entry", np.uint16, {"held_out": [], "train": []}, 400)
+    with pytest.raises(AftgenError, match="is a link"), files.locked():
+        pytest.fail("locked through a link")
+
+
+def test_training_into_a_run_folder_with_a_planted_lock_leaves_its_target_alone(tmp_path, corpus, victim):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK).symlink_to(victim)
+    done = subprocess.run(
+        [sys.executable, "-m", "aftgen", "train", corpus, "--out", run, "--resume"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stderr.count("error:") == 1, done.stderr
+    assert "is a link, not a lock file aftgen made" in done.stderr

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from aftgen.corpus.token_file import TokenFile
-from aftgen.files import atomic_write, cache_dir, is_count
+from aftgen.files import atomic_write, cache_dir, is_count, open_lock
 
 FORMAT = 1  # bump when what a cache entry holds changes
 PARTS = ("held_out", "train")
@@ -69,12 +69,12 @@ class TokenFiles:
     def locked(self) -> Iterator[None]:
         """Held while preparing: a second process preparing the same corpus waits, then finds it done."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        with open(self.folder / ".lock", "w") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        fd = open_lock(self.folder / ".lock")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # which unlocks it
 
     def finished(self, warn: Warn) -> dict | None:
         """The manifest of complete token files, or None: never written, or damaged (`warn` hears why)."""
