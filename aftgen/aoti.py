@@ -20,13 +20,12 @@ from __future__ import annotations
 import ctypes
 import operator
 import weakref
-import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
-from aftgen.files import atomic_open
+from aftgen.compiled_cache import library_of
 
 _new_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors  # a new at::Tensor* for each, in capsules
 _tensors_of_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
@@ -58,7 +57,7 @@ class UnlockedRunner:
         self._held_handles: list = []  # changed in place: the finalizer frees what it holds at the end
         self._constant_handles: list = []
         self.container = ctypes.c_void_p()
-        self.library = ctypes.CDLL(str(_library_of(package_path)))
+        self.library = ctypes.CDLL(str(library_of(package_path)))  # checked by compiled_cache
         weakref.finalize(self, _close, self.library, self.container, self._held_handles, self._constant_handles)
         _check(self.library.AOTInductorModelContainerCreateWithDevice(ctypes.byref(self.container), 1, b"cpu", None))
         self._set_constants(constants)
@@ -122,17 +121,3 @@ def _close(library: ctypes.CDLL, container: ctypes.c_void_p, *handle_lists: list
 def _check(status: int) -> None:
     if status != 0:
         raise PackageLibraryError(f"the compiled step's library returned error {status}")
-
-
-def _library_of(package_path: Path) -> Path:
-    """The package's shared library, extracted beside it once (written atomically: another process may be
-    loading it)."""
-    library = package_path.with_suffix(".so")
-    if not library.exists():
-        with zipfile.ZipFile(package_path) as package:
-            members = [name for name in package.namelist() if name.endswith(".so")]
-            if len(members) != 1:
-                raise PackageLibraryError(f"{package_path} holds {len(members)} libraries, not one")
-            with package.open(members[0]) as source, atomic_open(library) as target:
-                target.write(source.read())
-    return library

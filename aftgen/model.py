@@ -8,6 +8,7 @@ came before.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -25,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from aftgen.aoti import PackageRunner, UnlockedRunner
+from aftgen.compiled_cache import CacheUnusable, cached_package
 from aftgen.device import Compiled, failure_line
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_open, cache_dir
@@ -431,6 +433,8 @@ def compile_step(model: AFTLM, max_batch: int = 1) -> tuple[StepFunction, str]:
     start = time.perf_counter()
     try:
         step, origin = _compiled_step(model, max_batch)
+    except CacheUnusable as exc:  # nothing was compiled: the note says what to delete
+        return model.step, f"eager ({exc})"
     except Exception as exc:  # no C++ compiler, a device or op the exporter cannot handle: eager always works
         return model.step, f"eager (compiling the step failed: {failure_line(exc)})"
     return step, f"compiled{origin} in {time.perf_counter() - start:.1f} s"
@@ -456,14 +460,11 @@ def _step_runner(model: AFTLM, max_batch: int) -> tuple[PackageRunner, str]:
 
 
 def step_package(model: AFTLM, max_batch: int) -> tuple[Path, str]:
-    """The path of the model's step package for 1 to `max_batch` rows, compiled now unless the cache has it;
-    and " (from the cache)" where it did."""
+    """The path of the model's step package for 1 to `max_batch` rows, compiled now unless the cache has it
+    intact (aftgen.compiled_cache); and " (from the cache)" where it did."""
     use_persistent_compile_cache()
     path = compiled_folder() / f"step-{_step_key(model, max_batch)}.pt2"
-    if path.exists():
-        return path, " (from the cache)"
-    _package_step(model, max_batch, path)
-    return path, ""
+    return cached_package(path, functools.partial(_package_step, model, max_batch))
 
 
 def step_constants(model: AFTLM) -> dict[str, torch.Tensor]:

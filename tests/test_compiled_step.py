@@ -4,11 +4,19 @@ batch size it serves, the model's own weights, and the eager step wherever it ca
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from conftest import on_device
 
+import aftgen.model
+from aftgen.compiled_cache import library_of
 from aftgen.layers import linear, one_row_products
 from aftgen.model import AFTLM, AFTConfig, clone_state, compile_step, loaded_runner, step_constants, step_package
 
@@ -179,3 +187,120 @@ def test_the_step_falls_back_to_eager_where_compiling_fails(monkeypatch):
     step, note = compile_step(model, 2)  # a batch range not compiled before: the cache has no package for it
     assert step == model.step
     assert note == "eager (compiling the step failed: RuntimeError: no C++ compiler found)"
+
+
+def assert_gives_the_eager_logits(model: AFTLM, step) -> None:
+    """`step` is compiled (it never steps eagerly) and gives the eager step's logits."""
+    state, following = read_prompts(model, 2)
+    with torch.inference_mode():
+        expected = model.step(following[:, 0], clone_state(state))[0]
+        with mock.patch.object(model, "step", no_eager_fallback):
+            logits = step(following[:, 0], clone_state(state))[0]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def cache_copy(model: AFTLM, cache: Path) -> Path:
+    """The session cache's compiled step for `model` (package, library, record) copied into the cache folder
+    `cache`; the copy's package."""
+    package, _ = step_package(model, MAX_BATCH)
+    (cache / "compiled").mkdir(parents=True)
+    for original in package.parent.glob(f"{package.stem}.*"):
+        shutil.copyfile(original, cache / "compiled" / original.name)
+    return cache / "compiled" / package.name
+
+
+@pytest.fixture
+def own_cache(compiled, tmp_path, monkeypatch) -> tuple[Path, list[Path]]:
+    """A cache folder of this test's holding a copy of the compiled step (its package), and the paths a
+    stand-in for the compiler writes: the package compiled before (a real compile takes tens of seconds)."""
+    package = cache_copy(compiled[0], tmp_path)
+    monkeypatch.setenv("AFTGEN_CACHE", str(tmp_path))
+    compiled_package, builds = package.read_bytes(), []
+
+    def compile_again(model: AFTLM, max_batch: int, path: Path) -> None:
+        builds.append(path)
+        path.write_bytes(compiled_package)
+
+    monkeypatch.setattr(aftgen.model, "_package_step", compile_again)
+    return package, builds
+
+
+def _garbage(path: Path) -> None:
+    path.write_bytes(bytes(range(256)) * (path.stat().st_size // 256))
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+DAMAGES = {  # a library cut short is the subprocess test's: it kills the process that loads it
+    "an empty library": lambda package: library_of(package).write_bytes(b""),
+    "a garbage library": lambda package: _garbage(library_of(package)),
+    "a FIFO for the library": lambda package: _fifo(library_of(package)),
+    "a package cut short": lambda package: package.write_bytes(package.read_bytes()[:50_000]),
+    "a garbage package": _garbage,
+    "no record": lambda package: package.with_suffix(".json").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_step_in_the_cache_is_compiled_again_with_one_line(compiled, own_cache, damage, capsys, no_hang):
+    model, _ = compiled
+    package, builds = own_cache
+    DAMAGES[damage](package)
+    step, note = compile_step(model, MAX_BATCH)
+    assert note.startswith("compiled in"), note  # not eager, and not "from the cache"
+    assert builds == [package]
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "the compiled step in the cache was damaged" in lines[0], lines
+    assert_gives_the_eager_logits(model, step)
+    assert compile_step(model, MAX_BATCH)[1].startswith("compiled (from the cache)")  # what was rebuilt is recorded
+
+
+def test_a_library_cut_short_is_compiled_again_not_loaded(compiled, tmp_path):
+    """The audit's case: a library cut short was mapped past its end, and its loader died of SIGBUS (exit -7)."""
+    package = cache_copy(compiled[0], tmp_path)
+    compiled_package = tmp_path / "compiled.pt2"
+    shutil.copyfile(package, compiled_package)
+    library_of(package).write_bytes(library_of(package).read_bytes()[:50_000])
+    child = f"""
+import shutil, aftgen.model
+from test_compiled_step import MAX_BATCH, assert_gives_the_eager_logits, tiny_model
+aftgen.model._package_step = lambda model, rows, path: shutil.copyfile({str(compiled_package)!r}, path)
+model = tiny_model()
+step, note = aftgen.model.compile_step(model, MAX_BATCH)
+assert_gives_the_eager_logits(model, step)
+print(note)
+"""
+    env = os.environ | {"AFTGEN_CACHE": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-c", child], cwd=Path(__file__).parent, capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("compiled in"), result.stdout
+    assert len(result.stderr.splitlines()) == 1 and "(50,000 bytes) is not the file recorded" in result.stderr
+
+
+def test_a_damaged_step_that_cannot_be_deleted_leaves_the_step_eager_naming_it(compiled, own_cache):
+    model, _ = compiled
+    package, builds = own_cache
+    library_of(package).unlink()
+    (library_of(package) / "in the way").mkdir(parents=True)  # a folder: never deleted whole
+    step, note = compile_step(model, MAX_BATCH)
+    assert step == model.step and not builds
+    assert note.startswith("eager (the compiled step in the cache is damaged"), note
+    assert note.endswith(
+        f"{library_of(package)} cannot be deleted (Is a directory): delete it to compile the step again)"
+    )
+
+
+def test_a_file_where_the_compiled_folder_should_be_gives_the_eager_step_naming_it(tiny_run, tmp_path):
+    (tmp_path / "compiled").write_text("not a folder")
+    command = [sys.executable, "-m", "aftgen", "sample", "-m", str(tiny_run), "--compile", "-n", "5"]
+    env = os.environ | {"AFTGEN_CACHE": str(tmp_path)}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        f"step: eager ({tmp_path / 'compiled'} is not a folder: delete it to keep the compiled step in the cache)"
+    ]

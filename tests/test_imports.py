@@ -14,7 +14,8 @@ PACKAGE = Path(aftgen.__file__).parent
 # __init__ alone. A new module is listed here, where it belongs.
 LAYERS = {
     "foundations": ["aftgen.errors", "aftgen.options", "aftgen.files", "aftgen.device", "aftgen.distributed",
-                    "aftgen.cores", "aftgen.layers", "aftgen.mixers", "aftgen.tokenizer", "aftgen.aoti"],
+                    "aftgen.cores", "aftgen.layers", "aftgen.mixers", "aftgen.tokenizer", "aftgen.aoti",
+                    "aftgen.compiled_cache"],
     "model": ["aftgen.model", "aftgen.checkpoint", "aftgen.corpus", "aftgen.hub", "aftgen.api", "aftgen"],
     "generation": ["aftgen.sampling", "aftgen.state", "aftgen.chat", "aftgen.evaluate"],
     "run records": ["aftgen.record", "aftgen.curves", "aftgen.card"],
