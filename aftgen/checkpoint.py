@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import struct
+import sys
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from aftgen.errors import AftgenError
-from aftgen.files import atomic_write
+from aftgen.files import atomic_write, open_regular, read_bytes, read_json
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.tokenizer import Tokenizer
 
@@ -31,6 +32,9 @@ MODEL_TYPE = "aftgen"
 FORMAT_VERSION = 1
 # Precisions model.safetensors may hold; weights are always used in fp32 (fp16 halves the file).
 WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+CONFIG_LIMIT = 1 << 20  # bytes: config.json is a dozen fields, far under this
+HEADER_LIMIT = 1 << 20  # bytes: a weights file's header, a name, dtype, shape and offsets per tensor
+HEADER_MOST = 100_000_000  # bytes: the most safetensors itself reads as a header
 
 
 def save_checkpoint(
@@ -60,16 +64,7 @@ def is_checkpoint(directory: Path | str) -> bool:
 def read_config(directory: Path | str) -> AFTConfig:
     """Parse and validate config.json."""
     path = Path(directory) / CONFIG
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise AftgenError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except UnicodeDecodeError as exc:
-        raise AftgenError(f"{path}: not valid JSON ({exc})") from None
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # also integers too long to parse and absurd nesting
-        raise AftgenError(f"{path}: not valid JSON ({str(exc)[:200]})") from None
+    data = read_json(path, CONFIG_LIMIT, "the model's config")
     if not isinstance(data, dict):
         raise AftgenError(f"{path}: must hold a JSON object")
     data = dict(data)
@@ -90,11 +85,14 @@ def read_weights(path: Path, model: AFTLM) -> dict[str, torch.Tensor]:
 
     Weights stored in a lower precision are widened to the model's own dtypes.
     """
-    try:
-        tensors = load_safetensors(path.read_bytes())
-    except (SafetensorError, ValueError, OSError) as exc:
-        raise AftgenError(f"{path}: cannot read weights ({exc}); the file may be truncated or corrupt") from None
     expected = model.state_dict()
+    # fp32 is the widest a stored float may be; other tensors keep the model's dtype
+    largest = HEADER_LIMIT + sum(t.numel() * max(4, t.element_size()) for t in expected.values())
+    data = read_bytes(path, largest, "the weights file")
+    try:
+        tensors = load_safetensors(data)
+    except (SafetensorError, ValueError) as exc:
+        raise AftgenError(f"{path}: cannot read weights ({exc}); the file may be truncated or corrupt") from None
     missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or extra:
         detail = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
@@ -156,11 +154,13 @@ def load_checkpoint(directory: Path | str, device: str | torch.device = "cpu") -
 def safetensors_metadata(source: Path | str | bytes) -> dict[str, str]:
     """The __metadata__ of a safetensors file (or its bytes), from its header alone: 8-byte length, then JSON.
 
-    Raises ValueError (or OSError) for a file that is not safetensors.
+    Raises ValueError for a file that is not safetensors, AftgenError for a path that is not a regular file.
     """
-    with io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb") as handle:
+    # Only the header is read from a path, so the file's own size needs no bound here.
+    opened = io.BytesIO(source) if isinstance(source, bytes) else open_regular(source, sys.maxsize, "safetensors")
+    with opened as handle:
         (length,) = struct.unpack("<Q", handle.read(8).ljust(8, b"\0"))
-        if length > 100_000_000:
+        if length > HEADER_MOST:
             raise ValueError("safetensors header too large")
         header = json.loads(handle.read(length).decode("utf-8"))
     metadata = header.get("__metadata__") if isinstance(header, dict) else None

@@ -11,6 +11,7 @@ what no model writes (tokens outside the vocabulary, values the model cannot ste
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ from safetensors.torch import save as save_safetensors
 
 from aftgen.checkpoint import safetensors_metadata
 from aftgen.errors import AftgenError
-from aftgen.files import atomic_write
+from aftgen.files import atomic_write, read_bytes
 from aftgen.model import AFTLM, clone_state
 from aftgen.sampling import MAX_REPEAT_LAST_N, Context
 from aftgen.tokenizer import Tokenizer
@@ -29,6 +30,8 @@ from aftgen.tokenizer import Tokenizer
 FORMAT, VERSION = "aftgen-state", "2"
 PENDING_BYTES = 8  # an unfinished character is at most 3 bytes, plus a held 3-byte escape character
 NO_TOKEN = -1  # pads the recent-token slots of a short history
+HEADER_LIMIT = 64 << 10  # bytes: a state file's header, its tensors' names and shapes and the model's hashes
+MAX_CACHED_TOKENS = 1 << 20  # positions a growing cache (an attention mixer's) may hold in a file
 
 
 def tokenizer_hash(tokenizer: Tokenizer) -> str:
@@ -59,17 +62,14 @@ def save_state(path: Path | str, context: Context, model: AFTLM, tokenizer: Toke
 def load_state(path: Path | str, model: AFTLM, tokenizer: Tokenizer) -> Context:
     """Read a state file written by `save_state` for this very model and tokenizer."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise AftgenError(f"{path}: cannot read state file ({exc.strerror})") from None
+    expected = _expected_tensors(model)
+    data = read_bytes(path, _largest(expected), "the state file")
     try:
         metadata = safetensors_metadata(data)
         tensors = load_safetensors(data)
     except (ValueError, AttributeError, SafetensorError):
         raise AftgenError(f"{path}: not an aftgen state file, or a truncated one") from None
     _check_origin(path, metadata, model, tokenizer)
-    expected = _expected_tensors(model)
     if set(tensors) != set(expected):
         raise AftgenError(f"{path}: state file does not match this model's layers")
     for name, tensor in tensors.items():
@@ -162,6 +162,13 @@ def _expected_tensors(model: AFTLM) -> dict[str, torch.Tensor]:
         "pending": torch.zeros(PENDING_BYTES, dtype=torch.uint8),
         "pending_length": torch.tensor(0),
     }
+
+
+def _largest(expected: dict[str, torch.Tensor]) -> int:
+    """The most bytes a state file for this model holds: its tensors (a growing cache at MAX_CACHED_TOKENS
+    positions) and a header. Anything larger is refused before it is read."""
+    sizes = (math.prod(n or MAX_CACHED_TOKENS for n in t.shape) * t.element_size() for t in expected.values())
+    return HEADER_LIMIT + sum(sizes)
 
 
 def _fits(tensor: torch.Tensor, expected: torch.Tensor) -> bool:

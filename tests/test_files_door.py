@@ -6,19 +6,26 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+from test_serve import AUTH, running
 
+from aftgen.api import load
+from aftgen.bench.measure import tree_memory_mb
 from aftgen.corpus.cache import TokenFiles
 from aftgen.errors import AftgenError
 from aftgen.files import LOCK, atomic_write, locked_folder, open_regular, read_bytes, read_json, read_text, shown
+from aftgen.serve.sessions import SUFFIX
+from aftgen.state import load_state
 
 
 def test_a_fifo_is_refused_at_once(tmp_path, no_hang):
     fifo = tmp_path / "entry.json"
     os.mkfifo(fifo)
-    with pytest.raises(AftgenError, match=r"entry\.json is a FIFO, not a regular file"):
+    with pytest.raises(AftgenError, match=r"entry\.json: the entry is a FIFO, not a regular file"):
         read_bytes(fifo, 1000, "the entry")
 
 
@@ -35,7 +42,9 @@ def test_a_file_over_its_limit_is_refused_before_it_is_read(tmp_path):
     big = tmp_path / "big"
     with open(big, "wb") as handle:
         handle.truncate(3 << 30)  # sparse: 3 GB that take no disk and would take 3 GB of memory
-    with pytest.raises(AftgenError, match=r"big is 3,221,225,472 bytes, more than it can hold \(1,000\)"):
+    with pytest.raises(
+        AftgenError, match=r"big: the state file is 3,221,225,472 bytes, more than it can hold \(1,000\)"
+    ):
         read_bytes(big, 1000, "the state file")  # the size comes from fstat: nothing was read
 
 
@@ -52,7 +61,7 @@ def test_a_deep_or_malformed_json_is_one_error(tmp_path):
     with pytest.raises(AftgenError, match="nested too deep"):
         read_json(deep, 1 << 20, "the entry")
     (tmp_path / "bad.json").write_text('{"pid": ')
-    with pytest.raises(AftgenError, match="is not valid JSON"):
+    with pytest.raises(AftgenError, match="bad.json: not valid JSON"):
         read_json(tmp_path / "bad.json", 1 << 20, "the entry")
     (tmp_path / "latin.txt").write_bytes(b"caf\xe9")
     with pytest.raises(AftgenError, match="is not utf-8 text"):
@@ -114,3 +123,38 @@ def test_training_into_a_run_folder_with_a_planted_lock_leaves_its_target_alone(
     )  # fmt: skip
     assert done.returncode == 2 and done.stderr.count("error:") == 1, done.stderr
     assert "is a link, not a lock file aftgen made" in done.stderr
+
+
+def hostile_state_files(folder: Path, suffix: str) -> dict[str, Path]:
+    """A session or state file that is a link to a 3 GB sparse file, a link to /dev/zero, or a FIFO."""
+    sparse = folder / "sparse"
+    with open(sparse, "wb") as handle:
+        handle.truncate(3 << 30)
+    plants = {"sparse": folder / f"sparse{suffix}", "zero": folder / f"zero{suffix}", "fifo": folder / f"fifo{suffix}"}
+    plants["sparse"].symlink_to(sparse)
+    plants["zero"].symlink_to("/dev/zero")
+    os.mkfifo(plants["fifo"])
+    return plants
+
+
+def test_a_state_file_that_is_no_file_or_too_large_is_refused_before_it_is_read(tmp_path, tiny_run, no_hang):
+    model, tokenizer = load(tiny_run, device="cpu")
+    refused = {"sparse": "3,221,225,472 bytes, more than it can hold", "zero": "a device", "fifo": "a FIFO"}
+    for plant, path in hostile_state_files(tmp_path, ".safetensors").items():
+        with pytest.raises(AftgenError, match=f"{path}: the state file is {refused[plant]}"):
+            load_state(path, model, tokenizer)
+
+
+def test_a_session_file_that_is_no_file_gets_400_and_the_server_goes_on(tmp_path, tiny_run):
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
+    hostile_state_files(sessions, SUFFIX)
+    with running(tiny_run, sessions_dir=sessions) as url:
+        before = tree_memory_mb(os.getpid())[0]
+        for name in ("sparse", "zero", "fifo"):
+            body = {"prompt": "x", "max_tokens": 1, "session": name}
+            reply = httpx.post(f"{url}/v1/completions", headers=AUTH, json=body, timeout=5)
+            assert reply.status_code == 400 and ("not a regular file" in reply.text or "more than" in reply.text)
+        assert tree_memory_mb(os.getpid())[0] - before < 200
+        reply = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "KING:", "max_tokens": 3}, timeout=60)
+        assert reply.status_code == 200, reply.text

@@ -12,6 +12,7 @@ turn cancelled, timed out or failed on the way leaves it as it was, in memory an
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections import OrderedDict
 from pathlib import Path
@@ -43,9 +44,7 @@ class SessionStore:
         self.on_disk: OrderedDict[str, None] = OrderedDict()  # least recently saved first
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
-            files = {path.name.removesuffix(SUFFIX): path for path in folder.glob(f"*{SUFFIX}") if path.is_file()}
-            oldest_first = sorted((path.stat().st_mtime, name) for name, path in files.items() if valid_name(name))
-            self.on_disk.update((name, None) for _, name in oldest_first)
+            self.on_disk.update((name, None) for name in _sessions_oldest_first(folder))
 
     def __len__(self) -> int:
         return len(self.held)
@@ -97,6 +96,19 @@ class SessionStore:
         self.held.move_to_end(name)
         while len(self.held) > self.limit:
             self.held.popitem(last=False)
+
+
+def _sessions_oldest_first(folder: Path) -> list[str]:
+    """The names of the session files in `folder`, least recently saved first. Entries are looked at, not
+    followed (lstat): a link there may point anywhere, and a session file is a regular file the store wrote."""
+    found = []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            name = entry.name.removesuffix(SUFFIX)
+            if entry.name.endswith(SUFFIX) and valid_name(name) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    found.append((entry.stat(follow_symlinks=False).st_mtime, name))
+    return [name for _, name in sorted(found)]
 
 
 def _copy(context: Context) -> Context:

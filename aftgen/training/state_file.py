@@ -17,10 +17,12 @@ from safetensors.torch import save as save_safetensors
 
 from aftgen.checkpoint import safetensors_metadata
 from aftgen.errors import AftgenError
-from aftgen.files import atomic_write, is_count
+from aftgen.files import atomic_write, is_count, read_bytes
 from aftgen.model import AFTLM
 from aftgen.record import TRAINING_STATE, read_run_files
 from aftgen.training.options import MODEL_FIELDS
+
+HEADER_LIMIT = 16 << 20  # bytes: the header (tensor names, the run's description) and random states (5 KB each)
 
 
 def save_training_state(
@@ -120,7 +122,7 @@ def load_training_state(
     path = folder / TRAINING_STATE
     info, groups = read_training_info(folder)
     try:
-        tensors = load_safetensors(path.read_bytes())
+        tensors = load_safetensors(read_bytes(path, _largest(model, average), "the training state"))
         model.load_state_dict(_prefixed(tensors, "model."))
         if average is not None:
             average.load_state_dict(_prefixed(tensors, "average.") or model.state_dict())
@@ -140,6 +142,14 @@ def load_training_state(
     except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise _bad_training_state(path, exc) from None
     return info
+
+
+def _largest(model: AFTLM, average: AFTLM | None) -> int:
+    """The most bytes the state file holds for this model: fp32 weights (and their average), two optimiser
+    moments and a step count a parameter, and room for the header and the random states."""
+    weights = sum(t.numel() for t in model.state_dict().values())
+    moments = sum(p.numel() * 2 + 1 for p in model.parameters())
+    return HEADER_LIMIT + 4 * (weights * (2 if average is not None else 1) + moments)
 
 
 def _prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
