@@ -68,11 +68,11 @@ def open_regular(path: Path | str, limit: int, what: str) -> BinaryIO:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except OSError as exc:
-        raise AftgenError(f"cannot read {what} {path} ({exc.strerror or exc})") from None
+        raise AftgenError(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise AftgenError(f"{what} {path} is {kind_of(info.st_mode)}, not a regular file: remove or replace it")
+            raise AftgenError(f"{path}: {what} is {kind_of(info.st_mode)}, not a regular file; remove or replace it")
         _check_size(path, info.st_size, limit, what)
         os.set_blocking(fd, True)  # a regular file's reads never wait; the flag would only make them fail
         return os.fdopen(fd, "rb")
@@ -84,8 +84,8 @@ def open_regular(path: Path | str, limit: int, what: str) -> BinaryIO:
 def _check_size(path: Path, size: int, limit: int, what: str) -> None:
     if size > limit:
         raise AftgenError(
-            f"{what} {path} is {size:,} bytes, more than it can hold ({limit:,}): it is damaged or not {what}; "
-            "remove or replace it"
+            f"{path}: {what} is {size:,} bytes, more than it can hold ({limit:,}), so it is damaged or not what "
+            "it should be; remove or replace it"
         )
 
 
@@ -95,7 +95,7 @@ def read_bytes(path: Path | str, limit: int, what: str) -> bytes:
         try:
             data = handle.read(limit + 1)  # limit + 1: a file that grew after the check is still refused
         except OSError as exc:
-            raise AftgenError(f"cannot read {what} {path} ({exc.strerror or exc})") from None
+            raise AftgenError(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
     _check_size(Path(path), len(data), limit, what)
     return data
 
@@ -106,17 +106,17 @@ def read_text(path: Path | str, limit: int, what: str, encoding: str = "utf-8") 
     try:
         return data.decode(encoding)
     except UnicodeDecodeError as exc:
-        raise AftgenError(f"{what} {path} is not {encoding} text (byte {exc.start}): remove or replace it") from None
+        raise AftgenError(f"{path}: {what} is not {encoding} text (byte {exc.start}); remove or replace it") from None
 
 
 def read_json(path: Path | str, limit: int, what: str) -> Any:
     """A regular file of at most `limit` bytes, parsed as JSON; malformed or absurdly nested is an AftgenError."""
-    text = read_text(path, limit, what)
+    data = read_bytes(path, limit, what)
     try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as exc:  # RecursionError: a document nested thousands deep
-        reason = "nested too deep" if isinstance(exc, RecursionError) else shown(exc)
-        raise AftgenError(f"{what} {path} is not valid JSON ({reason}): remove or replace it") from None
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:  # not UTF-8 text, malformed, a 5000-digit number, or nested past
+        reason = "nested too deep" if isinstance(exc, RecursionError) else shown(exc)  # what json reads
+        raise AftgenError(f"{path}: not valid JSON ({reason})") from None
 
 
 def shown(text: object, limit: int = 200) -> str:
@@ -286,6 +286,25 @@ def _same_file(fd: int, path: Path) -> bool:
     except OSError:
         return False
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def append_durably(path: Path | str, data: bytes) -> None:
+    """Add `data` at the end of the regular file `path` and sync it to disk; a link there is refused, never
+    followed, and so is anything but a regular file (appending would block on a FIFO)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _write_error(Path(path), exc) from None
+    with os.fdopen(fd, "wb") as handle:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise AftgenError(f"{path} is {kind_of(mode)}, not a file: remove it and retry")
+        try:
+            handle.write(data)
+            handle.flush()
+            os.fsync(fd)
+        except OSError as exc:
+            raise _write_error(Path(path), exc) from None
 
 
 def is_count(value: object) -> bool:

@@ -16,8 +16,10 @@ from pathlib import Path
 import sentencepiece as spm
 
 from aftgen.errors import AftgenError
+from aftgen.files import read_bytes
 
 TOKENIZER_TYPES = ("bpe", "unigram", "char")
+TOKENIZER_LIMIT = 256 << 20  # bytes: a SentencePiece model of a million pieces is tens of MB
 _ESCAPE = "\ue000"  # private-use code point: ESC ESC is a literal ESC, ESC + "s" a literal U+2581
 _META = "\u2581"
 _UNESCAPE = re.compile(_ESCAPE + "(.)", re.DOTALL)
@@ -64,11 +66,7 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: Path) -> Tokenizer:
-        try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            raise AftgenError(f"{path}: cannot read tokenizer ({exc.strerror or exc})") from None
-        return cls(data)
+        return cls(read_bytes(path, TOKENIZER_LIMIT, "the tokenizer"))
 
     @property
     def vocab_size(self) -> int:

@@ -3,6 +3,7 @@ blocking on a FIFO or device, and every write or lock leaves the file a planted 
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from test_serve import AUTH, running
 
+import aftgen
 from aftgen.api import load
 from aftgen.bench.measure import tree_memory_mb
 from aftgen.corpus.cache import TokenFiles
@@ -158,3 +160,72 @@ def test_a_session_file_that_is_no_file_gets_400_and_the_server_goes_on(tmp_path
         assert tree_memory_mb(os.getpid())[0] - before < 200
         reply = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "KING:", "max_tokens": 3}, timeout=60)
         assert reply.status_code == 200, reply.text
+
+
+# The scan: a plain open or read/write of a path outside aftgen/files.py is a defect, save these, each with why.
+PATH_CALLS = {"read_bytes", "read_text", "write_text", "write_bytes"}
+ALLOWED = {
+    ("aftgen/device.py", "physical_cores"): "/sys topology files: the kernel's, small",
+    ("aftgen/bench/measure.py", "memory_mb"): "/proc status files: the kernel's, small",
+    ("aftgen/bench/measure.py", "_tree"): "/proc children lists: the kernel's, small",
+    ("aftgen/serve/app.py", "playground"): "a page shipped in the package (importlib.resources)",
+    ("aftgen/model.py", "_step_key"): "the package's own source files, hashed",
+    ("aftgen/cli/common.py", "quiet_stdout"): "os.devnull, once a reader of stdout went away",
+    ("aftgen/corpus/sources.py", "_open_regular"): "corpus files: opened O_NONBLOCK and fstat-checked there",
+    ("aftgen/bench/side_by_side.py", "__init__"): "the child's log, in the bench's own temporary folder",
+    ("aftgen/bench/side_by_side.py", "started"): "the child's log, in the bench's own temporary folder",
+    ("aftgen/bench/side_by_side.py", "steps_per_s"): "the child's log, in the bench's own temporary folder",
+    ("aftgen/bench/serve.py", "_address"): "the server's log, a temporary file the bench made",
+    ("aftgen/bench/finetune.py", "bench_finetune"): "corpus slices, in the bench's own temporary folder",
+}
+
+
+def _opens_a_file(func: ast.expr) -> bool:
+    """open(...), os.open(...), or a Path's .read_bytes() and the like (a bare read_text() is the door's)."""
+    if isinstance(func, ast.Name):
+        return func.id == "open"
+    if not isinstance(func, ast.Attribute):
+        return False
+    if func.attr == "open":  # a method called open (TokenFiles.open) is not a file's, os.open is
+        return isinstance(func.value, ast.Name) and func.value.id == "os"
+    return func.attr in PATH_CALLS
+
+
+def plain_file_calls(source: str) -> list[tuple[str, int]]:
+    """(enclosing function, line) of each open(), os.open() or Path read/write in `source`."""
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+            if isinstance(child, ast.Call):
+                if _opens_a_file(child.func):
+                    found.append((name, child.lineno))
+            visit(child, name)
+
+    visit(ast.parse(source), "<module>")
+    return found
+
+
+def test_no_file_is_opened_outside_the_files_door():
+    root = Path(aftgen.__file__).parent
+    plain = []
+    for path in sorted(root.rglob("*.py")):
+        module = str(path.relative_to(root.parent))
+        if module != "aftgen/files.py":
+            calls = plain_file_calls(path.read_text())
+            plain += [f"{module}:{line} in {name}()" for name, line in calls if (module, name) not in ALLOWED]
+    assert plain == [], "open files through aftgen.files (or allow the call here, saying why)"
+
+
+def test_the_scan_finds_a_plain_open():
+    snippet = """
+def load(path):
+    with open(path) as handle:
+        pass
+    os.open(path, os.O_RDONLY)
+    return Path(path).read_bytes() + path.write_text("x")
+def fine(files, path):
+    return files.open("train", 3) + read_text(path, 100, "a")  # aftgen's own open method; the door
+"""
+    assert [line for _, line in plain_file_calls(snippet)] == [3, 5, 6, 6]

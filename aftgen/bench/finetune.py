@@ -5,7 +5,6 @@ time on one thread each, so the machine's load hits both alike."""
 
 from __future__ import annotations
 
-import json
 import random
 import tempfile
 from collections.abc import Callable
@@ -14,7 +13,8 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from aftgen.bench.targets import TARGETS, Row
-from aftgen.record import TRAINING_INFO
+from aftgen.corpus import read_text
+from aftgen.record import read_run_files
 
 ENTRY_SEPARATOR = "\n%\n"  # fortune files: entries separated by '%' lines
 EVAL_INTERVAL = 50  # both runs check often enough for --keep-best to catch a small corpus's best
@@ -23,7 +23,7 @@ EVAL_INTERVAL = 50  # both runs check often enough for --keep-best to catch a sm
 def mixed_text(files: list[Path], seed: int = 0) -> str:
     """The entries of all files (fortune-style, '%'-separated; a plain file is one entry), shuffled
     with a fixed seed, so a slice of any size mixes every file."""
-    entries = [entry for path in files for entry in path.read_text(encoding="utf-8").split(ENTRY_SEPARATOR)]
+    entries = [entry for path in files for entry in read_text(path).split(ENTRY_SEPARATOR)]
     random.Random(seed).shuffle(entries)
     return ENTRY_SEPARATOR.join(entry.strip("\n") for entry in entries if entry.strip())
 
@@ -39,7 +39,7 @@ def train_for(corpus: Path, out: Path, seconds: float, init_from: str | None) ->
     changes = {"init_from": init_from} if init_from else {"keep_best": True}
     options = TrainOptions(corpus, out, max_time=seconds, max_steps=10**9, eval_interval=EVAL_INTERVAL, **changes)
     train(options, quiet=True)
-    return json.loads((out / TRAINING_INFO).read_text())["final_eval"]["nats_per_char"]
+    return read_run_files(out)[0]["final_eval"]["nats_per_char"]
 
 
 def bench_finetune(

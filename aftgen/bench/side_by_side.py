@@ -13,7 +13,6 @@ from training.json.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from aftgen.bench.serve import ServerProcess, run_phase
 from aftgen.bench.targets import TARGETS, Row
 from aftgen.cores import SOLO_VARIABLE
 from aftgen.errors import AftgenError
-from aftgen.record import TRAINING_INFO
+from aftgen.record import read_run_files
 
 MODES = {"shared": {}, "every core": {SOLO_VARIABLE: "1"}}  # the environment each mode's processes get
 STREAMS, TOKENS = 8, 128  # the server's load: rounds of 8 streaming clients, each asking for 128 tokens
@@ -54,7 +53,7 @@ class Training:
         """Wait for the run to end; its steps over its trained seconds."""
         if self.process.wait() != 0:
             raise AftgenError(f"bench side-by-side: a training failed: {self.log.read_text()[-500:]}")
-        info = json.loads((self.out / TRAINING_INFO).read_text())
+        info = read_run_files(self.out)[0]
         return info["step"] / info["elapsed"]
 
 

@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,7 +27,8 @@ import numpy as np
 import torch
 
 from aftgen.corpus.token_file import TokenFile
-from aftgen.files import atomic_write, cache_dir, is_count, open_lock
+from aftgen.errors import AftgenError
+from aftgen.files import append_durably, atomic_write, cache_dir, is_count, open_lock, open_regular, read_json
 
 FORMAT = 1  # bump when what a cache entry holds changes
 PARTS = ("held_out", "train")
@@ -49,6 +51,7 @@ def _fresh() -> dict:
 
 Warn = Callable[[str], None]
 ID_BLOCK = 1 << 22  # token ids checked at a time when a cached file is opened
+RECORD_LIMIT = 1 << 20  # bytes: a progress record or manifest holds a few counts
 
 
 class TokenFiles:
@@ -100,15 +103,15 @@ class TokenFiles:
                 return True
             warn(f"warning: {self.folder / PROGRESS} is damaged ({problem}); preparing that cache entry from the start")
         for part in PARTS:
-            self.path(part).write_bytes(b"")
+            atomic_write(self.path(part), b"")
         self.progress = {part: _fresh() for part in PARTS}
         return False
 
     def _checked(self, name: str, complete: bool) -> tuple[dict, str | None]:
         """A progress record or manifest read from the folder, and what is wrong with it (None: nothing)."""
         try:
-            record = json.loads((self.folder / name).read_text())
-        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested past what json reads
+            record = read_json(self.folder / name, RECORD_LIMIT, "the cache's record")
+        except AftgenError as exc:
             return {}, f"unreadable: {exc}"
         if not isinstance(record, dict):
             return {}, "not a JSON object"
@@ -149,7 +152,7 @@ class TokenFiles:
     def _highest_id(self, part: str, tokens: int) -> int:
         """The largest of a part's first `tokens` ids (-1 if none), read a block at a time (memory stays flat)."""
         highest = -1
-        with open(self.path(part), "rb") as handle:
+        with open_regular(self.path(part), sys.maxsize, "token file") as handle:  # reads `tokens` ids, no more
             for start in range(0, tokens, ID_BLOCK):
                 block = np.fromfile(handle, dtype=self.dtype, count=min(ID_BLOCK, tokens - start))
                 highest = max(highest, int(block.max()))
@@ -157,10 +160,7 @@ class TokenFiles:
 
     def append(self, part: str, ids: np.ndarray, progress: dict) -> None:
         """Add a chunk's ids to a part, durably, then record how far the part has got with them."""
-        with open(self.path(part), "ab") as handle:
-            handle.write(ids.astype(self.dtype, copy=False).tobytes())
-            handle.flush()
-            os.fsync(handle.fileno())
+        append_durably(self.path(part), ids.astype(self.dtype, copy=False).tobytes())
         self.progress[part] = dict(progress)
         atomic_write(self.folder / PROGRESS, json.dumps(self.progress))
 
