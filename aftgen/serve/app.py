@@ -23,7 +23,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from aftgen.serve.engine import Engine
-from aftgen.serve.remote import EngineProcess
+from aftgen.serve.remote import EngineProcess, EngineUnavailable
 from aftgen.serve.replies import Reply
 from aftgen.serve.schema import APIError, controls_body, parse_request
 from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket, merged_texts
@@ -43,12 +43,13 @@ class Gone:
 
 
 def error_response(error: APIError) -> JSONResponse:
-    headers = {503: {"Retry-After": "1"}, 408: {"Connection": "close"}}.get(error.status)  # 408: the body is unread
+    retry = {"Retry-After": str(error.retry_after)}
+    headers = {503: retry, 408: {"Connection": "close"}}.get(error.status)  # 408: the body is unread
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 def failure(event: Failed) -> APIError:
-    return APIError(event.status, event.message, event.kind, code=event.code)
+    return APIError(event.status, event.message, event.kind, code=event.code, retry_after=event.retry_after)
 
 
 class EventStream(StreamingResponse):
@@ -133,12 +134,16 @@ class Server:
         return HTMLResponse(page, headers={"Content-Security-Policy": PLAYGROUND_POLICY, "Cache-Control": "no-cache"})
 
     async def health(self, request: Request) -> JSONResponse:
-        """Up or not, for anyone (a load balancer has no key); the model and the engine's figures need the key."""
+        """Up (200) only while the engine answers, for anyone (a load balancer has no key): 503 with the reason
+        while it does not. The model and the engine's figures need the key."""
+        try:
+            figures = await self.engine.figures()
+        except EngineUnavailable as exc:
+            return JSONResponse({"status": str(exc)}, status_code=503, headers={"Retry-After": "1"})
         try:
             self.authorize(request)
         except APIError:
             return JSONResponse({"status": "ok"})
-        figures = await asyncio.to_thread(self.engine.stats)  # the engine's process answers: streams go on meanwhile
         return JSONResponse({"status": "ok", "model": self.model_name} | figures)
 
     async def controls(self, request: Request) -> JSONResponse:

@@ -129,6 +129,10 @@ class Engine:
         """Rows generating or promised to requests reading their prompts."""
         return len(self.batch) + sum(reader.ticket.work.n for reader in list(self.reading))
 
+    async def figures(self) -> dict:
+        """stats(), as the HTTP side asks an engine in another process for them (remote.EngineProcess.figures)."""
+        return self.stats()
+
     def stats(self) -> dict:
         return {
             "slots_total": self.options.parallel,

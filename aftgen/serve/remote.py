@@ -6,21 +6,22 @@ of the turn before. Measured with the shipped model on 2 cores, the engine alone
 rows and 1,600 at one; behind HTTP in one process, 8,300 and 990 (docs/benchmarks.md, issue 32).
 
 So `aftgen serve` runs the Engine in a child process (`python -m aftgen.serve.remote FD`), and the HTTP side
-talks to it through `EngineProcess`, which offers what Server calls on an Engine: submit, cancel, stats, start,
+talks to it through `EngineProcess`, which offers what Server calls on an Engine: submit, cancel, figures, start,
 stop, publish. They speak length-prefixed JSON over a socket pair: requests' work one way, a turn's events
 the other way in one message. The child ignores Ctrl-C (the parent stops it) and ends when the parent does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import gc
 import importlib
 import itertools
 import json
+import math
 import operator
-import queue
 import signal
 import socket
 import subprocess
@@ -28,7 +29,9 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,12 +50,15 @@ if TYPE_CHECKING:
 EVENTS = {kind.__name__: kind for kind in (Started, Text, Finished, Failed, Done)}
 START_TIMEOUT = 600.0  # seconds for the child to load the model (a Hub download is done before) and compile
 STOP_TIMEOUT = 10.0  # seconds the child gets to finish its turn and leave before it is killed
-STATS_TIMEOUT = 5.0  # seconds /health waits for the child's figures
+ANSWER_WITHIN = 1.0  # seconds /health waits for the child's figures: past that, it is not answering
+RESTARTS_PER_MINUTE = 5  # a child that keeps dying is not restarted more often: the server exits instead
 # Seconds between looks for the child's messages while requests run. A message to a reader asleep in the
 # kernel makes the child wake it (about 20 us of the child's time on a 2-core VM, 66 us a message seen in
 # the engine's turn); to a reader that looks on its own clock, 4 us. Idle, the reader sleeps until woken.
 LOOK_EVERY = 0.0005
-ENGINE_GONE = "the generation process stopped unexpectedly (see the server's log); restart the server"
+ENGINE_GONE = "the generation process stopped unexpectedly (see the server's log); it is being started again"
+RESTARTING = "the generation process is starting again after it stopped unexpectedly; try again shortly"
+NOT_KEEPING_UP = "the generation process is not keeping up with the requests sent to it; try again shortly"
 
 
 def send(connection: Connection, message: Any) -> None:
@@ -110,116 +116,262 @@ def event_from_message(fields: list) -> Event:
     return EVENTS[fields[0]](*fields[1:])
 
 
-class EngineProcess:
-    """The engine, run by a child process: what Server calls on an Engine, for `options` (the model already a
-    local folder). Starting it loads the model there, and compiles its step, before it returns."""
+class EngineUnavailable(Exception):
+    """The engine cannot answer now: its status for /health ("engine not answering", "engine restarting")."""
+
+
+class Child:
+    """One engine process: started with `options`, ready when built (the model loaded, its step compiled).
+
+    What the HTTP side sends it goes through `post`, which never blocks: a writer thread of the child's own
+    sends the messages in order, so a child that stops reading (stopped, or slower than its clients) fills
+    `outgoing` and never the event loop's time. Submits waiting there are bounded by what the server could
+    hold (`--parallel` rows and `--queue`); past that `post` refuses them.
+    """
 
     def __init__(self, options: ServeOptions):
-        self.options = options
-        self.publish: Callable[[list[tuple[Ticket, Event]]], None] = lambda events: None
-        self.tickets: dict[int, Ticket] = {}  # live requests by the number the child knows them by
-        self.numbers = itertools.count()
-        self.replies: queue.Queue = queue.Queue()  # the child's answers to `stats`
-        self.sending, self.gone, self.stopping = threading.Lock(), False, False
+        self.limit = options.parallel + options.queue
+        self.outgoing: deque[tuple[list, Ticket | None]] = deque()  # a submit's message comes with its ticket
+        self.submits, self.closed = 0, False  # submits in `outgoing`; closed: nothing more is sent
+        self.posted = threading.Condition()
         ours, theirs = socket.socketpair()
         command = [sys.executable, "-m", "aftgen.serve.remote", str(theirs.fileno())]
+        self.began, self.started_in = time.monotonic(), 0.0  # started_in: seconds until it was ready
         self.process = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         self.connection = Connection(ours.detach())
         send(self.connection, {"options": options_message(options), "mixers": mixers_message(), "path": sys.path})
-        self._until_ready()
-        self.tokenizer = Tokenizer.load(Path(options.model) / TOKENIZER)  # the child has checked the checkpoint
-        self.reader = threading.Thread(target=self._read, name="aftgen-engine-events", daemon=True)
+        self.writer = threading.Thread(target=self._write, name="aftgen-engine-sends", daemon=True)
 
-    def _until_ready(self) -> None:
+    def until_ready(self) -> None:
+        """Wait for the child to build its engine; AftgenError where it cannot (it has ended then)."""
         try:
-            if not self.connection.poll(START_TIMEOUT):
+            if self.connection.poll(START_TIMEOUT):
+                kind, detail = receive(self.connection)
+            else:
                 self.process.kill()
-                raise AftgenError(f"the generation process did not start within {START_TIMEOUT:g} s")
-            kind, detail = receive(self.connection)
+                kind, detail = "failed", f"the generation process did not start within {START_TIMEOUT:g} s"
         except (EOFError, OSError):
             kind, detail = "failed", f"the generation process ended as it started (exit status {self.process.wait()})"
         if kind == "failed":
             self.process.wait()
             self.connection.close()
             raise AftgenError(detail)
+        self.started_in = time.monotonic() - self.began
+        self.writer.start()
 
-    def start(self) -> None:
-        self.reader.start()
+    def post(self, message: list, ticket: Ticket | None = None) -> bool:
+        """Queue `message` for the child (with its ticket for a submit); False where it cannot go: the child
+        has ended, or a submit finds `limit` others still waiting to be sent."""
+        with self.posted:
+            if self.closed or (ticket is not None and self.submits >= self.limit):
+                return False
+            self.outgoing.append((message, ticket))
+            self.submits += ticket is not None
+            self.posted.notify()
+        return True
 
-    def stop(self) -> None:
-        self.stopping = True
-        self._send(["stop"])
+    def _write(self) -> None:
+        """Send what is posted, in order, until the child stops reading for good; a submit whose client has
+        gone meanwhile is never sent."""
+        while True:
+            with self.posted:
+                while not self.outgoing and not self.closed:
+                    self.posted.wait()
+                if self.closed:
+                    return
+                message, ticket = self.outgoing.popleft()
+                self.submits -= ticket is not None
+            if ticket is not None and ticket.cancelled:
+                continue
+            try:
+                send(self.connection, message)
+            except OSError:  # the child has gone: its reader sees the end
+                return
+            if message[0] == "stop":
+                return
+
+    def close(self) -> list[Ticket]:
+        """After the child's end: nothing more is posted, the process is reaped (no zombie), and the tickets
+        whose submits were never sent are returned."""
+        with self.posted:
+            self.closed = True
+            unsent = [ticket for _, ticket in self.outgoing if ticket is not None]
+            self.outgoing.clear()
+            self.posted.notify()
         try:
             self.process.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # it closed its end of the socket and went on: not ours to wait for
             self.process.kill()
             self.process.wait()
         self.connection.close()
+        return unsent
+
+    def stop(self) -> None:
+        """Ask the child to finish its turn and leave; kill it if it has not within STOP_TIMEOUT (at once
+        while it is starting: it reads nothing until it is ready)."""
+        if not self.writer.is_alive():
+            self.process.kill()
+            return
+        with self.posted:
+            self.outgoing.append((["stop"], None))
+            self.posted.notify()
+        try:
+            self.process.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:  # stopped (SIGSTOP) or stuck in a turn
+            self.process.kill()
+
+
+class EngineProcess:
+    """The engine, run by a child process: what Server calls on an Engine, for `options` (the model already a
+    local folder). Starting it loads the model there, and compiles its step, before it returns.
+
+    A child that dies is reaped and started again with the same options: its streams end with an error event,
+    requests meanwhile get a 503 with Retry-After (the seconds a start took). After RESTARTS_PER_MINUTE
+    restarts within a minute it gives up and calls `on_give_up` (aftgen serve then exits, for a supervisor)."""
+
+    def __init__(self, options: ServeOptions):
+        self.options = options
+        self.publish: Callable[[list[tuple[Ticket, Event]]], None] = lambda events: None
+        self.on_give_up: Callable[[], None] = lambda: None
+        self.tickets: dict[int, Ticket] = {}  # live requests by the number the child knows them by
+        self.asked: dict[int, tuple[float, Future]] = {}  # `stats` asks the child has not answered: when, for whom
+        self.numbers = itertools.count()  # for tickets and asks alike, across children
+        self.restarts: deque[float] = deque()  # when, over the last minute
+        self.stopping, self.given_up = False, None  # given_up: why the server must exit
+        self.child: Child | None = Child(options)  # None while it is started again
+        self.starting = self.child
+        self.child.until_ready()
+        self.retry_after = max(1, math.ceil(self.child.started_in))  # seconds a start takes, for a 503's Retry-After
+        self.tokenizer = Tokenizer.load(Path(options.model) / TOKENIZER)  # the child has checked the checkpoint
+
+    def start(self) -> None:
+        self._read_from(self.child)
+
+    def stop(self) -> None:
+        self.stopping = True
+        for child in {self.child, self.starting} - {None}:
+            child.stop()
 
     def submit(self, work: Work, inbox: object = None) -> Ticket:
         """Queue a request whose events go to `inbox` (a full server answers it with a 503 event)."""
         ticket = Ticket(work, time.monotonic() + self.options.timeout, inbox, number=next(self.numbers))
         self.tickets[ticket.number] = ticket
-        if not self._send(["submit", ticket.number, work_message(work)]):
-            del self.tickets[ticket.number]
-            self.publish([(ticket, Failed(500, ENGINE_GONE))])
+        child = self.child
+        if (child is None or not child.post(["submit", ticket.number, work_message(work)], ticket)) and (
+            self.tickets.pop(ticket.number, None) is not None  # else the child's end has failed it already
+        ):
+            self.publish([(ticket, self._refusal(child))])
         return ticket
 
+    def _refusal(self, child: Child | None) -> Failed:
+        if child is None or child.closed:
+            return Failed(503, RESTARTING, code="engine_restarting", retry_after=self.retry_after)
+        return Failed(503, NOT_KEEPING_UP, code="server_overloaded")
+
     def cancel(self, ticket: Ticket) -> None:
+        """The client went away: the child drops its work, and its late events are dropped here."""
         ticket.cancelled = True
-        self._send(["cancel", ticket.number])
+        if self.tickets.pop(ticket.number, None) is not None and (child := self.child) is not None:
+            child.post(["cancel", ticket.number])
 
-    def stats(self) -> dict:
-        if not self._send(["stats"]):
-            return {"engine": "stopped"}
-        try:
-            return self.replies.get(timeout=STATS_TIMEOUT)
-        except queue.Empty:
-            return {"engine": "not answering"}
+    async def figures(self) -> dict:
+        """The child's figures, within ANSWER_WITHIN seconds; EngineUnavailable where it cannot give them.
 
-    def _send(self, message: list) -> bool:
-        """Send to the child; False where it has gone."""
-        with self.sending:
-            if self.gone:
-                return False
-            try:
-                send(self.connection, message)
-            except OSError:
-                return False
-        return True
+        Each ask has a number and its answer goes to that ask alone: one that comes late is dropped. While an
+        ask stays unanswered past ANSWER_WITHIN, the engine is not answering and no more asks pile up."""
+        child, now = self.child, time.monotonic()
+        if child is None:
+            raise EngineUnavailable("engine restarting")
+        if any(now - asked_at > ANSWER_WITHIN for asked_at, _ in list(self.asked.values())):
+            raise EngineUnavailable("engine not answering")
+        number, answer = next(self.numbers), Future()
+        self.asked[number] = (now, answer)
+        if not child.post(["stats", number]):
+            self.asked.pop(number, None)
+            raise EngineUnavailable("engine restarting")
+        try:  # shielded: a wait that times out leaves the answer to the reader thread, which drops it
+            figures = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(answer)), ANSWER_WITHIN)
+        except TimeoutError:
+            raise EngineUnavailable("engine not answering") from None
+        if figures is None:  # the child ended meanwhile
+            raise EngineUnavailable("engine restarting")
+        return figures
 
-    def _read(self) -> None:
-        """The child's messages, until it ends: a turn's events to `publish`, answers to `stats`."""
+    def _read_from(self, child: Child) -> None:
+        threading.Thread(target=self._read, args=(child,), name="aftgen-engine-events", daemon=True).start()
+
+    def _read(self, child: Child) -> None:
+        """The child's messages, until it ends: a turn's events to `publish`, answers to their asks."""
+        connection = child.connection
         while True:
             try:
-                while self.tickets and not self.connection.poll(0):
+                while self.tickets and not connection.poll(0):
                     time.sleep(LOOK_EVERY)
-                kind, detail = receive(self.connection)
+                kind, detail = receive(connection)
             except (EOFError, OSError):
                 break
             if kind == "stats":
-                self.replies.put(detail)
+                number, figures = detail
+                if (asked := self.asked.pop(number, None)) is not None:
+                    asked[1].set_result(figures)
                 continue
             events = []
             for number, *fields in detail:
                 event = event_from_message(fields)
                 ended = isinstance(event, Done | Failed)
                 ticket = self.tickets.pop(number, None) if ended else self.tickets.get(number)
-                if ticket is not None:  # None: a request the child answered twice (an error after its end)
+                if ticket is not None:  # None: cancelled, or a request the child answered twice
                     events.append((ticket, event))
             self.publish(events)
-        self._engine_gone()
+        self._ended(child)
 
-    def _engine_gone(self) -> None:
-        """Every live request fails; later ones fail at once (the server goes on answering, and says so)."""
-        with self.sending:
-            self.gone = True
-        self.replies.put({"engine": "stopped"})
-        if not self.stopping:
-            print(f"aftgen serve: {ENGINE_GONE}", file=sys.stderr, flush=True)
-        tickets, self.tickets = list(self.tickets.values()), {}
-        self.publish([(ticket, Failed(500, ENGINE_GONE)) for ticket in tickets])
+    def _ended(self, child: Child) -> None:
+        """The child has ended: reap it and, unless the server is stopping (its connections end with it), fail
+        what it held and start another."""
+        self.child = None
+        unsent = set(child.close())
+        if self.stopping:
+            return
+        print(f"aftgen serve: the generation process ended (exit status {child.process.returncode}); starting it "
+              "again", file=sys.stderr, flush=True)  # fmt: skip
+        for asked in [self.asked.pop(number, None) for number in list(self.asked)]:
+            if asked is not None:
+                asked[1].set_result(None)
+        held = [ticket for number in list(self.tickets) if (ticket := self.tickets.pop(number, None))]
+        # a request never sent is refused as one that came now; one the child held fails as a stream cut short
+        self.publish(
+            [(ticket, self._refusal(None) if ticket in unsent else Failed(500, ENGINE_GONE)) for ticket in held]
+        )
+        self._restart()
+
+    def _restart(self) -> None:
+        """Start a child again, up to RESTARTS_PER_MINUTE times a minute; past that, give up."""
+        while not self.stopping:
+            now = time.monotonic()
+            while self.restarts and now - self.restarts[0] > 60:
+                self.restarts.popleft()
+            if len(self.restarts) >= RESTARTS_PER_MINUTE:
+                self.given_up = (
+                    f"the generation process ended {len(self.restarts) + 1} times within a minute; the server "
+                    "stops so that whatever supervises it can start it again (see the log above for why)"
+                )
+                self.on_give_up()
+                return
+            self.restarts.append(now)
+            self.starting = child = Child(self.options)
+            try:
+                child.until_ready()
+            except AftgenError as exc:
+                print(f"aftgen serve: {exc}", file=sys.stderr, flush=True)
+                continue
+            if self.stopping:  # stop() came while it started
+                child.stop()
+                return
+            self.child = child
+            self._read_from(child)
+            print("aftgen serve: the generation process is serving again", file=sys.stderr, flush=True)
+            return
 
 
 def _child(connection: Connection) -> None:
@@ -284,7 +436,7 @@ def _answer(connection: Connection, engine: Engine, sending: threading.Lock) -> 
             engine.cancel(ticket)
         elif kind == "stats":
             with sending:
-                send(connection, ["stats", engine.stats()])
+                send(connection, ["stats", [detail[0], engine.stats()]])
 
 
 def build_engine(options: ServeOptions) -> Engine:

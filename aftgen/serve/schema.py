@@ -26,9 +26,12 @@ MAX_STOPS, MAX_STOP_CHARS, MAX_MESSAGES = 4, 256, 4096
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None, retry_after=1
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.retry_after = retry_after  # seconds, for a 503's Retry-After
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import uvicorn
 
     from aftgen.serve.engine import Engine
+    from aftgen.serve.remote import EngineProcess
 
 INSTALL_HINT = "pip install 'aftgen[serve]'"
 
@@ -46,22 +47,31 @@ def listening_socket(host: str, port: int) -> socket.socket:
         raise AftgenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def prepare(options: ServeOptions, engine: Engine | None = None) -> tuple[uvicorn.Server, socket.socket, str]:
+def start_engine(options: ServeOptions) -> EngineProcess:
+    """The engine in a process of its own (aftgen.serve.remote), for the model fetched here (a Hub id), then
+    loaded, and its step compiled, there."""
+    from aftgen.api import model_folder
+    from aftgen.serve.remote import EngineProcess
+
+    return EngineProcess(dataclasses.replace(options, model=str(model_folder(options.model))))
+
+
+def prepare(
+    options: ServeOptions, engine: Engine | EngineProcess | None = None
+) -> tuple[uvicorn.Server, socket.socket, str]:
     """Everything but the serving: (uvicorn server, its socket, the base URL). `server.run(sockets=[sock])` serves.
 
-    The model is fetched here (a Hub id), then loaded, and its step compiled, by the engine's own process
-    (aftgen.serve.remote). `engine`: serve this one instead, in this process (a model changed in Python: a
-    sampling control added at run time; a test that breaks the engine on purpose)."""
+    `engine`: serve this one (default: start_engine's); an Engine runs in this process (a model changed in
+    Python: a sampling control added at run time; a test that breaks the engine on purpose). An engine's
+    process that keeps dying ends the serving (EngineProcess.given_up says why)."""
     require_serve_extra()
     import uvicorn
 
-    from aftgen.api import model_folder
     from aftgen.serve.app import Server
     from aftgen.serve.protocol import with_read_timeout
     from aftgen.serve.remote import EngineProcess
 
-    if engine is None:
-        engine = EngineProcess(dataclasses.replace(options, model=str(model_folder(options.model))))
+    engine = start_engine(options) if engine is None else engine
     app = Server(engine, model_name(options.model)).app()
     sock = listening_socket(options.host, options.port)
     host, port = sock.getsockname()[:2]
@@ -71,12 +81,17 @@ def prepare(options: ServeOptions, engine: Engine | None = None) -> tuple[uvicor
     config = uvicorn.Config(
         app, http=http, log_level="warning", timeout_keep_alive=timeout, timeout_graceful_shutdown=5
     )
-    return uvicorn.Server(config), sock, url
+    server = uvicorn.Server(config)
+    if isinstance(engine, EngineProcess):
+        engine.on_give_up = lambda: setattr(server, "should_exit", True)  # uvicorn's own way to shut down
+    return server, sock, url
 
 
 def serve(options: ServeOptions) -> None:
-    """Serve until Ctrl-C (or SIGTERM), printing where on stderr."""
-    server, sock, url = prepare(options)
+    """Serve until Ctrl-C (or SIGTERM), printing where on stderr; AftgenError where the engine's process kept
+    dying (the exit status then tells a supervisor to start the server again)."""
+    engine = start_engine(options)
+    server, sock, url = prepare(options, engine)
     if options.api_key is None and not ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
         print("warning: listening beyond this machine without --api-key: anyone who can reach it can use the model",
               file=sys.stderr)  # fmt: skip
@@ -86,3 +101,5 @@ def serve(options: ServeOptions) -> None:
 
     with loaded_kept():
         server.run(sockets=[sock])
+    if engine.given_up is not None:
+        raise AftgenError(engine.given_up)

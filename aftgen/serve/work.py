@@ -51,6 +51,7 @@ class Failed:
     message: str
     kind: str = "server_error"
     code: str | None = None
+    retry_after: int = 1  # seconds, for a 503's Retry-After
 
 
 @dataclass
