@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from aftgen.cli import bench, evaluate, generate, hub, plot, serve, train
-from aftgen.cli.common import DEBUG_VARIABLE
+from aftgen.cli.common import DEBUG_VARIABLE, quiet_stdout
 
 app = typer.Typer(
     help="Train Attention Free Transformer language models on any text and sample from them.",
@@ -49,9 +49,15 @@ app.add_typer(bench.bench_app, name="bench")
 
 
 def run() -> None:
-    """Console entry point: a Ctrl-C that lands outside a command (start-up, exit) still exits 130 quietly."""
+    """Console entry point: a Ctrl-C that lands outside a command (start-up, exit) still exits 130 quietly, and a
+    reader that leaves before the help ends (`aftgen --help | head -1`) ends it with 0, as in a command."""
     try:
         app(prog_name="aftgen")
+    except SystemExit as done:
+        if done.code == 1 and isinstance(done.__context__, BrokenPipeError):  # rich's and click's answer to it
+            quiet_stdout()
+            sys.exit(0)
+        raise
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)

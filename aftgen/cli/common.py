@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, TypeVar
 
-import click
 import typer
 
 from aftgen.corpus import CorpusOptions
@@ -124,10 +123,14 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def command(func):
-    """Turn the tool's own errors into one line and exit 2; anything unexpected into one line plus a log."""
+    """Turn the tool's own errors into one line and exit 2; anything unexpected into one line plus a log. The
+    command also learns its name as typed (`bench serve`), for other processes to see (set_up_torch)."""
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        global _running
+        context = kwargs.pop(_CONTEXT, None)
+        _running = context.command_path.partition(" ")[2] if context else _running
         try:
             return func(*args, **kwargs)
         except AftgenError as exc:
@@ -136,7 +139,7 @@ def command(func):
             print("interrupted", file=sys.stderr)
             raise typer.Exit(130) from None
         except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # reader went away: quietly stop
+            quiet_stdout()  # reader went away: quietly stop
             raise typer.Exit(0) from None
         except (typer.Exit, typer.Abort):
             raise
@@ -145,7 +148,26 @@ def command(func):
                 raise
             fail(f"internal error: {type(exc).__name__}: {exc} (traceback in {_crash_log()}; --debug shows it)", 1)
 
+    wrapper.__signature__ = _with_context(inspect.signature(func, eval_str=True))
     return wrapper
+
+
+_CONTEXT = "_context"  # the parameter typer hands each command's context in (command adds it)
+_running = "python"  # the command this process runs, as typed; "python" where aftgen runs as a library
+
+
+def _with_context(signature: inspect.Signature) -> inspect.Signature:
+    """`signature` with a typer.Context parameter for typer to fill (it creates no option for it)."""
+    parameters = list(signature.parameters.values())
+    at = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
+    context = inspect.Parameter(_CONTEXT, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=typer.Context)
+    return signature.replace(parameters=[*parameters[:at], context, *parameters[at:]])
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null once its reader has gone (`aftgen sample | head -1`), so that nothing written or
+    flushed later fails again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _debugging() -> bool:
@@ -174,9 +196,7 @@ def set_up_torch(threads: int | None = None, reserve: int = 0, busy: bool = True
 
     if threads is not None and threads < 1:
         raise AftgenError(f"--threads must be >= 1, got {threads}")
-    context = click.get_current_context(silent=True)
-    command = context.command_path.partition(" ")[2] if context else "python"
-    cores.set_up(command or "python", threads, reserve, busy)
+    cores.set_up(_running, threads, reserve, busy)
 
 
 def placement(hardware: dict, reserve: int = 0, busy: bool = True, generating: bool = False):
