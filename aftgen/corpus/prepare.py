@@ -45,6 +45,7 @@ class CorpusOptions:
     chunk_chars: int = CHUNK_CHARS
     piece_chars: int = PIECE_CHARS
     workers: int | None = None  # encoding processes (default: one per core)
+    leave_out: tuple[Path, ...] = ()  # folders in the corpus's folders that are not corpus (a run's own folder)
 
     def __post_init__(self) -> None:
         if isinstance(self.held_out, str):
@@ -79,12 +80,17 @@ class Corpus:
     skipped: int = 0
 
     @property
-    def folder(self) -> Path:
-        """The cache folder of this corpus (its contents and the options that shape its split)."""
+    def digest(self) -> str:
+        """What makes this corpus its text: its files' contents, in order, and the options that shape its split."""
         options = self.options
         digests = [document.digest for document in self.documents]
         key = {"documents": digests, "encoding": options.encoding, "errors": options.errors}
-        return corpus_folder(cache_key(key | {"held_out": options.held_out}))
+        return cache_key(key | {"held_out": options.held_out})
+
+    @property
+    def folder(self) -> Path:
+        """The cache folder of this corpus."""
+        return corpus_folder(self.digest)
 
     def read(self, span: Span, advance: Advance | None = None, skip: int = 0) -> Iterator[str]:
         """A span's text in blocks, from `skip` characters into it."""
@@ -107,12 +113,13 @@ class PreparedCorpus:
     held_out_bytes: int  # UTF-8 bytes, for bits/byte
     held_out: dict  # what was held out, exactly (training.json)
     folder: Path  # where the token files are
+    digest: str  # the text's identity (Corpus.digest): a resumed run checks that it trains on the same
     summary: dict = field(default_factory=dict)
 
 
 def scan_corpus(sources: Sequence[Path | str], options: CorpusOptions, meter: Meter) -> Corpus:
     """Find the corpus's files, check, count and hash each (one streamed read), and split it."""
-    files = find_files(sources, options.glob)
+    files = find_files(sources, options.glob, options.leave_out)
     documents, skipped = [], 0
     with meter.phase("scanning", sum(_size(path) for path in files)) as advance:
         for path in files:
@@ -153,6 +160,12 @@ def corpus_tokenizer(corpus: Corpus, meter: Meter) -> Tokenizer:
             return Tokenizer.load(path)
     spans = corpus.split.train
     total = sum(span.chars for span in spans)
+    if not total:  # one character, and the held-out split took it
+        chars = sum(document.chars for document in corpus.documents)
+        raise AftgenError(
+            f"the corpus is too small to train a tokenizer: {chars} character{'s' * (chars != 1)}, all of it held "
+            "out; give it more text"
+        )
     with meter.phase("sampling", corpus.bytes_of(spans)) as advance:
         slices = sample((corpus.read(span, advance) for span in spans), total, options.tokenizer_sample)
     tokenizer = train_on_sample(slices, total, options, meter.log)
@@ -236,6 +249,7 @@ def _prepared(corpus: Corpus, tokenizer: Tokenizer, files: TokenFiles, manifest:
         held_out_bytes=parts["held_out"]["bytes"],
         held_out=held_out,
         folder=files.folder,
+        digest=corpus.digest,
         summary=summary,
     )
 

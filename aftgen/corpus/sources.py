@@ -39,16 +39,24 @@ class Document:
     digest: str  # SHA-256 of the file's bytes
 
 
-def find_files(sources: Sequence[Path | str], glob: str = DEFAULT_GLOB) -> list[Path]:
+def find_files(sources: Sequence[Path | str], glob: str = DEFAULT_GLOB, leave_out: Sequence[Path] = ()) -> list[Path]:
     """Each file named, and each regular file under each folder named (recursively, sorted, hidden ones
     left out) whose name matches `glob`; a file reached twice counts once. FIFOs and devices in a folder
-    are left out like hidden files; one named is refused when it is read."""
+    are left out like hidden files; one named is refused when it is read. Files under the folders
+    `leave_out` (a run's own folder inside a corpus folder: its records are not text to train on) are
+    left out of the folders' files."""
     if not sources:
         raise AftgenError("no corpus given: pass one or more text files or folders")
+    left_out = [Path(folder).resolve() for folder in leave_out]
     found: dict[Path, Path] = {}
     for source in map(Path, sources):
         if source.is_dir():
-            inside = sorted(p for p in source.rglob(glob) if p.is_file() and not _hidden(p.relative_to(source)))
+            _refuse_left_out(source, left_out)
+            inside = sorted(
+                p
+                for p in source.rglob(glob)
+                if p.is_file() and not _hidden(p.relative_to(source)) and not _inside(p.resolve(), left_out)
+            )
             if not inside:
                 raise AftgenError(f"{source}: no files matching '{glob}' in this folder; pass --glob PATTERN")
         elif source.exists():
@@ -62,6 +70,19 @@ def find_files(sources: Sequence[Path | str], glob: str = DEFAULT_GLOB) -> list[
 
 def _hidden(relative: Path) -> bool:
     return any(part.startswith(".") for part in relative.parts)
+
+
+def _inside(path: Path, folders: Sequence[Path]) -> bool:
+    return any(path.is_relative_to(folder) for folder in folders)
+
+
+def _refuse_left_out(source: Path, left_out: Sequence[Path]) -> None:
+    """A corpus folder that is itself a left-out folder, or inside one, would hold no corpus at all."""
+    if _inside(source.resolve(), left_out):
+        raise AftgenError(
+            f"{source}: this corpus folder is the run folder (--out) or inside it; "
+            "choose a run folder outside the corpus"
+        )
 
 
 def check_encoding(encoding: str, errors: str) -> None:

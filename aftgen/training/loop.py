@@ -32,7 +32,7 @@ from aftgen.training.averaging import WeightAverage
 from aftgen.training.base import BaseModel
 from aftgen.training.optimizer import learning_rate, make_optimizer, set_learning_rate
 from aftgen.training.options import TrainOptions
-from aftgen.training.plan import Plan, refuse_changes, settle
+from aftgen.training.plan import Plan, refuse_changes, refuse_contradictions, settle
 from aftgen.training.progress import Interrupts, Reporter
 from aftgen.training.run_folder import RunFolder, TrainingState, claimed, describe_run
 from aftgen.training.state_file import Resumed
@@ -70,6 +70,8 @@ def _train(options: TrainOptions, placement: Placement, world: World, quiet: boo
         refuse_changes(options, base)
     warn = functools.partial(print, file=sys.stderr)  # even when quiet: another process's lock taken over
     with claimed(options, world, warn) as resumed, Reporter(quiet or not world.main) as reporter:
+        if resumed is not None:
+            refuse_contradictions(options, resumed)
         corpus = _load_corpus(options, base, world, quiet)
         plan = settle(options, corpus, placement, world, base, resumed, reporter.log)
         placement = resolve(placement.device, plan.options.dtype)

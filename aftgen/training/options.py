@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,15 @@ FINE_TUNE_DEFAULTS = {"lr": 1e-3, "warmup_steps": 5, "eval_interval": 50, "eval_
                       "keep_best": True, "optimizer": "adamw", "weight_decay": 0.1, "ema": 0.0,
                       "patience": 0}  # fmt: skip
 FINE_TUNE_STEPS = 5000  # a fine-tuning run's budget when it is given none
+# Options of this command, not of the run it trains: a resumed run reads them from its command line, never its record.
+THIS_COMMAND = ("corpus", "out", "resume", "overwrite", "command", "device", "compile")
+# What a resumed run may be given anew besides those: its budget, and its dtype. Every other option it keeps as it
+# was started (aftgen.training.plan refuses one given otherwise: the run would no longer be the run it resumes).
+RESUME_MAY_CHANGE = ("max_steps", "max_time", "dtype")
 MAX_BATCH_SIZE = 1 << 16  # sequences per step: more than any device holds, well before torch's sizes overflow
+# Budgets beyond any run's, well before the recipe's arithmetic (steps, passes) overflows a float.
+MAX_TIME = 365 * 24 * 3600  # seconds: a year
+MAX_STEPS = 10**12
 NOT_NEGATIVE = Range(0)
 # The options whose values come from a table: --help lists the table, the check refuses anything else. The tables
 # themselves, not copies, so that a mixer registered at run time is a choice.
@@ -107,13 +115,15 @@ class TrainOptions:
     dropout: float | None = _model(_chosen())
     decay: bool | None = _model("Learned decay beyond the window (off: the paper's AFT-local).")
     activation: str | None = _model(f"The MLP's: {_listed('activation')}. {_chosen()}")
-    max_steps: int | None = _training(None, f"Step budget (default: none; fine-tuning: {FINE_TUNE_STEPS}).", POSITIVE)
+    max_steps: int | None = _training(
+        None, f"Step budget (default: none; fine-tuning: {FINE_TUNE_STEPS}).", Range(0, MAX_STEPS, open_low=True)
+    )
     # seconds, or a duration such as "10m" (the command line passes it as text)
     max_time: float | str | None = _training(
         None,
         f"Wall-time budget: 150, 90s, 10m, 1h. Default: {DEFAULT_BUDGET / 60:g}m unless --max-steps is given. "
         "A fresh run chooses its recipe (model size, regularisation, schedule) for its corpus and this budget.",
-        POSITIVE,
+        Range(0, MAX_TIME, open_low=True),
     )
     batch_size: int | None = _training(
         None,
@@ -182,6 +192,11 @@ class TrainOptions:
         """The options among `names` that the user gave (not None)."""
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
+    def differs_from_default(self, name: str) -> bool:
+        """Whether option `name` says anything: not None, and not its default (for an option that has one, the
+        only sign that the user gave it)."""
+        return getattr(self, name) not in (None, _DEFAULTS[name])
+
     @property
     def run_folder(self) -> Path:
         return Path(self.out) if self.out else Path("runs") / self.sources()[0].stem
@@ -190,9 +205,10 @@ class TrainOptions:
         return [Path(self.corpus)] if isinstance(self.corpus, (str, Path)) else [Path(p) for p in self.corpus]
 
     def corpus_options(self) -> CorpusOptions:
-        """How to read and tokenize the corpus (a fine-tuning run's tokenizer is the base model's)."""
+        """How to read and tokenize the corpus (a fine-tuning run's tokenizer is the base model's); the run's own
+        folder, should it lie in a corpus folder, is no part of it."""
         names = ("glob", "held_out", "skip_bad_files", "encoding", "errors", "vocab_size", "tokenizer_type")
-        return CorpusOptions(**self.given(names))
+        return CorpusOptions(**self.given(names), leave_out=(self.run_folder,))
 
     def to_dict(self) -> dict:
         """The options as training.json records them."""
@@ -215,6 +231,9 @@ class TrainOptions:
         _one_of("--device", self.device.split(":")[0], DEVICES, shown=self.device)
         _one_of("--dtype", self.dtype, ("auto", *DTYPES))
         self.corpus_options().check()
+
+
+_DEFAULTS = {field.name: field.default for field in fields(TrainOptions)}
 
 
 def _words(allowed: Range, value: float) -> str:
@@ -241,6 +260,6 @@ def parse_duration(text: str) -> float:
         seconds = float(number) * (scale or 1)
     except ValueError:
         raise AftgenError(f"cannot read duration '{text}'; use seconds or a unit, e.g. 150, 90s, 10m, 1h") from None
-    if not math.isfinite(seconds) or seconds <= 0:
+    if math.isnan(seconds) or seconds <= 0:  # too long (inf, too) is --max-time's range check's to refuse
         raise AftgenError(f"duration must be positive, got '{text}'")
     return seconds

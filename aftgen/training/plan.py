@@ -22,12 +22,13 @@ import json
 import math
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from aftgen.corpus import CorpusOptions, PreparedCorpus
 from aftgen.device import Placement
 from aftgen.distributed import World
 from aftgen.errors import AftgenError
+from aftgen.files import shown
 from aftgen.mixers import shaping_fields
 from aftgen.model import PRESETS, AFTConfig
 from aftgen.options import flag
@@ -40,14 +41,16 @@ from aftgen.training.options import (
     FRESH_ONLY,
     MODEL_FIELDS,
     RECIPE_FIELDS,
+    RESUME_MAY_CHANGE,
     SIZES,
     SIZES_PRESET,
+    THIS_COMMAND,
     TrainOptions,
 )
 from aftgen.training.state_file import Resumed
 
-# What a resumed run takes from its record where the user does not give it.
-RESUMED_FIELDS = (*RECIPE_FIELDS, *FINE_TUNE_DEFAULTS, "max_steps", "vocab_size", "tokenizer_type")
+# What a resumed run takes from its record where the user does not give it: every option of the run.
+RESUMED_FIELDS = tuple(field.name for field in fields(TrainOptions) if field.name not in THIS_COMMAND)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Plan:
     batch_size: int  # sequences per step, per process
     held_out: dict  # what was held out, exactly (aftgen.corpus)
     recipe: dict | None = None  # what the recipe chose and from what (recipe.Recipe), as training.json records it
+    corpus_digest: str | None = None  # the text's identity (PreparedCorpus.digest): a resumed run checks it
 
     def recorded_settings(self) -> dict:
         """The model's sizes and the batch size, as training.json and the state file record them ("settings")."""
@@ -78,7 +82,9 @@ def settle(
     options, chosen = _layered(options, corpus, placement, world, resumed, log)
     config, batch_size = _model(options, corpus.tokenizer.vocab_size, base, resumed)
     recorded_recipe = resumed.recipe if resumed else chosen and chosen.to_dict()
-    plan = Plan(options, config, batch_size, corpus.held_out, recorded_recipe)
+    if resumed is not None:
+        refuse_other_corpus(options, corpus, resumed)
+    plan = Plan(options, config, batch_size, corpus.held_out, recorded_recipe, corpus.digest)
     _check(plan, corpus)
     return plan
 
@@ -87,9 +93,7 @@ def _layered(options, corpus, placement, world, resumed, log) -> tuple[TrainOpti
     """The options with those the user left out taken from the layers below, in order; and the recipe, if one
     was chosen (a fresh run)."""
     if resumed is not None:
-        options = _under(options, {name: resumed.options.get(name) for name in RESUMED_FIELDS})
-        if options.dtype == "auto":
-            options = replace(options, dtype=resumed.options.get("dtype", "auto"))
+        options = _resumed_options(options, resumed)
     if options.init_from:
         budget = {} if options.max_steps or options.max_time else {"max_steps": FINE_TUNE_STEPS}
         return _under(options, FINE_TUNE_DEFAULTS | budget), None
@@ -116,6 +120,47 @@ def _model(
     if base is not None:
         return replace(base.config, **options.given(MODEL_FIELDS)), options.batch_size or base_batch_size(base)
     return _fresh_model(options, vocab_size)(options.preset)
+
+
+def _resumed_options(options: TrainOptions, resumed: Resumed) -> TrainOptions:
+    """`options` with those the user did not give (None, or an option's default) taken from the resumed run's
+    record."""
+    recorded = {name: resumed.options[name] for name in RESUMED_FIELDS if name in resumed.options}
+    return replace(
+        options, **{name: value for name, value in recorded.items() if not options.differs_from_default(name)}
+    )
+
+
+def refuse_contradictions(options: TrainOptions, resumed: Resumed) -> None:
+    """A resumed run keeps the options it was started with, but for its budget and dtype and this command's own:
+    one given otherwise is an error naming it (it would be dropped without a word, or change the run halfway)."""
+    recorded = resumed.options | {name: resumed.settings[name] for name in (*MODEL_FIELDS, "batch_size")}
+    changed = [
+        name
+        for name in RESUMED_FIELDS
+        if name not in RESUME_MAY_CHANGE and name in recorded and options.differs_from_default(name)
+        and getattr(options, name) != recorded[name]
+    ]  # fmt: skip
+    if changed:
+        given = ", ".join(f"{flag(name)} {getattr(options, name)}" for name in changed)
+        kept = ", ".join(f"{name} {shown(recorded[name], 40)}" for name in changed)
+        raise AftgenError(
+            f"{given} contradict{'s' * (len(changed) == 1)} the run in {options.run_folder} ({kept}): a resumed run "
+            "keeps the options it started with, and only --max-steps, --max-time and the hardware options may "
+            "change; drop them, or train a new run (another --out, or --overwrite)"
+        )
+
+
+def refuse_other_corpus(options: TrainOptions, corpus: PreparedCorpus, resumed: Resumed) -> None:
+    """A resumed run trains on the text it started on, and checks the same held-out part (keep-best compares its
+    scores): another corpus, or the same files split otherwise, is an error naming both."""
+    if resumed.corpus_digest is not None and corpus.digest != resumed.corpus_digest:
+        given, trained_on = shlex.join(map(str, options.sources())), shown(" ".join(map(str, resumed.corpus)))
+        raise AftgenError(
+            f"{given} is not the text the run in {options.run_folder} was trained on ({trained_on}): the files' "
+            "contents, or their --held-out, --encoding or --errors, differ; resume with the run's corpus, or "
+            "train a new run (another --out, or --overwrite)"
+        )
 
 
 def _under(options: TrainOptions, values: dict) -> TrainOptions:

@@ -172,6 +172,7 @@ def describe_run(plan: Plan, model: AFTLM, device: str, world: World, base_model
         "name": options.run_folder.name,
         "command": options.command,
         "corpus": [str(source) for source in options.sources()],
+        "corpus_digest": plan.corpus_digest,
         "held_out": plan.held_out,
         "settings": plan.recorded_settings(),
         "options": options.to_dict(),

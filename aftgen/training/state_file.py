@@ -61,6 +61,8 @@ class Resumed:
     best: dict | None
     world_size: int
     metrics: list[dict]
+    corpus: list  # the files it was trained on, as given
+    corpus_digest: str | None  # their text's identity (aftgen.corpus.PreparedCorpus.digest); None in older runs
 
     @classmethod
     def read(cls, path: Path) -> Resumed:
@@ -68,7 +70,12 @@ class Resumed:
         # checks past the checkpoint (a save that failed, a kill before it) are made again: never twice
         metrics = [row for row in read_run_files(path)[1] if row["step"] <= saved["step"]]
         return cls(saved["step"], saved.get("options") or {}, saved["settings"], saved.get("recipe"),
-                   saved.get("base_model"), saved.get("best"), saved.get("world_size", 1), metrics)  # fmt: skip
+                   saved.get("base_model"), saved.get("best"), saved.get("world_size", 1), metrics,
+                   _listed(saved.get("corpus")), saved.get("corpus_digest"))  # fmt: skip
+
+
+def _listed(value: object) -> list:
+    return value if isinstance(value, list) else []
 
 
 def _bad_training_state(path: Path, reason: object) -> AftgenError:
