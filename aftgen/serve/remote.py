@@ -359,10 +359,10 @@ class EngineProcess:
                 self.on_give_up()
                 return
             self.restarts.append(now)
-            self.starting = child = Child(self.options)
             try:
+                self.starting = child = Child(self.options)
                 child.until_ready()
-            except AftgenError as exc:
+            except (AftgenError, OSError) as exc:  # OSError: no process could be made (out of memory, of PIDs)
                 print(f"aftgen serve: {exc}", file=sys.stderr, flush=True)
                 continue
             if self.stopping:  # stop() came while it started
