@@ -17,6 +17,7 @@ import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from aftgen import files
 from aftgen.errors import AftgenError
@@ -87,11 +88,15 @@ def _damage(package: Path) -> str:
 def _fingerprint(path: Path) -> dict:
     """The size and SHA-256 of the regular file at `path`."""
     with files.open_regular(path, FILE_LIMIT, WHAT) as handle:
-        try:
-            digest = hashlib.file_digest(handle, "sha256").hexdigest()
-        except OSError as exc:
-            raise AftgenError(f"cannot read {WHAT} {path} ({exc.strerror or exc})") from None
-        return {"size": handle.tell(), "sha256": digest}
+        return _read_fingerprint(handle, path)
+
+
+def _read_fingerprint(handle: BinaryIO, path: Path) -> dict:
+    try:
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    except OSError as exc:
+        raise AftgenError(f"cannot read {WHAT} {path} ({exc.strerror or exc})") from None
+    return {"size": handle.tell(), "sha256": digest}
 
 
 def _delete(path: Path) -> None:
@@ -107,14 +112,17 @@ def _delete(path: Path) -> None:
 def _record(package: Path) -> None:
     """Extract the package's library beside it, check what was written, and record both files. Neither needs
     an fsync: a crash that loses one leaves a file that differs from the record, which the next start rebuilds."""
-    with files.open_regular(package, FILE_LIMIT, WHAT) as handle, zipfile.ZipFile(handle) as archive:
-        members = [name for name in archive.namelist() if name.endswith(".so")]
-        if len(members) != 1:
-            raise RuntimeError(f"{package} holds {len(members)} libraries, not one")
-        library = archive.read(members[0])  # its CRC checked
+    with files.open_regular(package, FILE_LIMIT, WHAT) as handle:  # one handle: the package recorded is the one read
+        package_read = _read_fingerprint(handle, package)
+        handle.seek(0)
+        with zipfile.ZipFile(handle) as archive:
+            members = [name for name in archive.namelist() if name.endswith(".so")]
+            if len(members) != 1:
+                raise RuntimeError(f"{package} holds {len(members)} libraries, not one")
+            library = archive.read(members[0])  # its CRC checked
     written = {"size": len(library), "sha256": hashlib.sha256(library).hexdigest()}
     files.atomic_write(library_of(package), library, durable=False)
     if _fingerprint(library_of(package)) != written:
         raise AftgenError(f"{library_of(package)} reads back other than it was written: check the disk")
-    record = {"package": _fingerprint(package), "library": written}
+    record = {"package": package_read, "library": written}
     files.atomic_write(_record_of(package), json.dumps(record), durable=False)
