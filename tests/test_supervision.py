@@ -169,16 +169,17 @@ def test_clients_that_leave_during_their_prompt_leave_nothing_in_either_process(
 
 
 def test_an_idle_server_uses_no_cpu_after_clients_left(supervised, long_prompt):
-    """Once the last client has gone, both processes sleep: under 1% of a core over 3 s."""
+    """Once the last client has gone, both processes sleep: under 1% of a core over 5 s (the clock ticks 10 ms:
+    a shorter look would count a tick or two of uvicorn's own timer as a share of a core)."""
     url, _ = supervised
     leave_during_prompt(url, long_prompt)
     wait_for(lambda: settled(url))
     processes = [os.getpid(), engine_pid()]
     before = cpu_seconds(processes)
-    time.sleep(3)
+    time.sleep(5)
     used = cpu_seconds(processes) - before
-    print(f"{used:.2f} s of CPU in 3 s idle")
-    assert used < 0.03
+    print(f"{used:.2f} s of CPU in 5 s idle")
+    assert used < 0.05
 
 
 def test_an_engine_that_keeps_dying_makes_the_server_exit_for_its_supervisor(tiny_run):

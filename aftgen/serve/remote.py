@@ -227,8 +227,9 @@ class EngineProcess:
     local folder). Starting it loads the model there, and compiles its step, before it returns.
 
     A child that dies is reaped and started again with the same options: its streams end with an error event,
-    requests meanwhile get a 503 with Retry-After (the seconds a start took). After RESTARTS_PER_MINUTE
-    restarts within a minute it gives up and calls `on_give_up` (aftgen serve then exits, for a supervisor)."""
+    requests meanwhile get a 503 with Retry-After (the seconds the last start took, less those since the end).
+    After RESTARTS_PER_MINUTE restarts within a minute it gives up and calls `on_give_up` (aftgen serve then
+    exits, for a supervisor)."""
 
     def __init__(self, options: ServeOptions):
         self.options = options
@@ -242,7 +243,8 @@ class EngineProcess:
         self.child: Child | None = Child(options)  # None while it is started again
         self.starting = self.child
         self.child.until_ready()
-        self.retry_after = max(1, math.ceil(self.child.started_in))  # seconds a start takes, for a 503's Retry-After
+        self.last_start = self.child  # the last child started: how long a start takes, for a 503's Retry-After
+        self.down_since = 0.0  # when the last child ended
         self.tokenizer = Tokenizer.load(Path(options.model) / TOKENIZER)  # the child has checked the checkpoint
 
     def start(self) -> None:
@@ -266,7 +268,8 @@ class EngineProcess:
 
     def _refusal(self, child: Child | None) -> Failed:
         if child is None or child.closed:
-            return Failed(503, RESTARTING, code="engine_restarting", retry_after=self.retry_after)
+            left = self.last_start.started_in - (time.monotonic() - self.down_since)
+            return Failed(503, RESTARTING, code="engine_restarting", retry_after=max(1, math.ceil(left)))
         return Failed(503, NOT_KEEPING_UP, code="server_overloaded")
 
     def cancel(self, ticket: Ticket) -> None:
@@ -329,7 +332,7 @@ class EngineProcess:
     def _ended(self, child: Child) -> None:
         """The child has ended: reap it and, unless the server is stopping (its connections end with it), fail
         what it held and start another."""
-        self.child = None
+        self.child, self.down_since = None, time.monotonic()
         unsent = set(child.close())
         if self.stopping:
             return
@@ -368,7 +371,7 @@ class EngineProcess:
             if self.stopping:  # stop() came while it started
                 child.stop()
                 return
-            self.child = child
+            self.child = self.last_start = child
             self._read_from(child)
             print("aftgen serve: the generation process is serving again", file=sys.stderr, flush=True)
             return
