@@ -5,11 +5,12 @@ matrices in bf16 (`AFTLM.lower_weights`): a token's step reads every weight once
 to twice the speed, and a CPU with bf16 units multiplies them at twice the rate. Activations, biases, norms
 and the recurrent state stay float32 either way.
 
-One row at a time (a single stream's step) the product is a matrix-vector one, bound by reading the weights:
-a CPU's bf16 matrix kernels then take longer than float32's (1.7 ms against 1.45 for the shipped model on one
-core), though they read half the bytes. Compiled under `one_row_products()`, the product is written out as
-the broadcast multiply and sum that it is, and the compiler fuses the widening of each weight into the one
-pass that reads it (the old 7.9M-parameter shipped model's step: 1.0 ms on one core).
+A row's products must not depend on the rows beside it (a server's text would then depend on what else it
+serves), and the matrix kernels change their order of summing with the number of rows (MKL's float32 ones for
+any batch; oneDNN's bf16 ones past a dozen rows or so). So a compiled step writes each product out
+(`written_products()`), as the multiply and the sum over the input that it is, which the compiler runs in one
+order for every row, and in the numbers of the matrix kernels: x and the weights in the weights' dtype, their
+products exact in float32, the sum rounded to that dtype.
 """
 
 from __future__ import annotations
@@ -22,36 +23,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_ONE_ROW = contextvars.ContextVar("one_row_products", default=False)
+_WRITTEN = contextvars.ContextVar("written_products", default=False)
 
 
 @contextlib.contextmanager
-def one_row_products() -> Iterator[None]:
-    """Within it, `linear` with lowered weights is written for one row of x, for a compiler to fuse (only
-    for tracing: run eagerly, it would widen every weight in memory first)."""
-    token = _ONE_ROW.set(True)
+def written_products() -> Iterator[None]:
+    """Within it, `linear` is written out as a multiply and a sum over the input, for a compiler to fuse (only
+    for tracing: run eagerly, it would make every product in memory first)."""
+    token = _WRITTEN.set(True)
     try:
         yield
     finally:
-        _ONE_ROW.reset(token)
+        _WRITTEN.reset(token)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weightᵀ + bias; with weights stored lower than float32, x multiplies in their dtype and the
     product comes back in float32."""
-    if weight.dtype == torch.float32:
+    if _WRITTEN.get():
+        product = _written_product(x.to(weight.dtype), weight)
+    elif weight.dtype == torch.float32:
         return F.linear(x, weight, bias)
-    x = x.to(weight.dtype)
-    if _ONE_ROW.get():
-        # A view of x as it is makes the compiler store x once (Inductor realizes as_strided's input),
-        # rather than fold all that made it into the sum of every output. The numbers of the matrix kernels:
-        # x and the weights in bf16, their products exact in float32, the sum rounded to bf16.
-        x = x.as_strided(x.shape, x.stride(), x.storage_offset())
-        product = (x.float().unsqueeze(-2) * weight.float()).sum(-1).to(weight.dtype)  # (..., 1, in) * (out, in)
     else:
-        product = F.linear(x, weight)
+        product = F.linear(x.to(weight.dtype), weight)
     product = product.float()
     return product if bias is None else product + bias
+
+
+def _written_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weightᵀ as the multiply and the sum over the input that it is, in the weight's dtype."""
+    # A view of x as it is makes the compiler store x once (Inductor realizes as_strided's input), rather than
+    # fold all that made it into the sum of every output.
+    x = x.as_strided(x.shape, x.stride(), x.storage_offset())
+    # (..., in, 1) * (in, out) summed over `in`: Inductor vectorizes over the outputs, and each output's sum runs
+    # along the input one term after another, for one row as for many (summed over the last dimension instead,
+    # its partial sums of every 16th term came out otherwise for some rows of a batch).
+    return (x.float().unsqueeze(-1) * weight.float().t()).sum(-2).to(weight.dtype)
 
 
 class Linear(nn.Linear):

@@ -7,7 +7,6 @@ came before.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -30,7 +29,7 @@ from aftgen.compiled_cache import CacheUnusable, cached_package
 from aftgen.device import Compiled, failure_line
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_open, cache_dir
-from aftgen.layers import Linear, linear, one_row_products
+from aftgen.layers import Linear, linear, written_products
 from aftgen.mixers import MIXERS, MixerState, make_mixer
 
 ModelState = list[MixerState]  # one mixer state per layer
@@ -363,12 +362,15 @@ STEP_PACKAGE_CONFIG = {
     "reorder_for_locality": False,
     "aot_inductor.package_constants_in_so": False,
     "always_keep_tensor_constants": True,
+    "cpp.dynamic_threads": True,  # the kernels take torch's thread count as they run: aftgen.cores' share
+    "emulate_precision_casts": True,  # the written-out products round to bf16 where the matrix kernels do
 }
-# How the fused kernels use threads. A batch's take torch's thread count when they run, not when they were
-# compiled: they follow aftgen.cores' share. A single row's work between its products (a few hundred numbers
-# a kernel) is shorter than waking a second thread: its kernels run on one, its products on torch's threads.
-STEP_THREADS = {"rows": {"cpp.dynamic_threads": True}, "one row": {"cpp.threads": 1}}
-STEP_PACKAGE_FORMAT = 2  # bump when what a package holds or takes changes
+STEP_PACKAGE_FORMAT = 3  # bump when what a package holds or takes changes
+# One package serves 1 to MAX_ROWS rows (aftgen.serve.options: --parallel at most), whatever a caller's batch:
+# every server and `aftgen sample --compile` run the same code, and a row's logits are the same in each, alone or
+# among others (aftgen.layers).
+MAX_ROWS = 4096
+EXAMPLE_ROWS = 32  # the batch the package is exported with, its kernels tuned for (aftgen serve's default)
 
 
 def _weights(model: AFTLM) -> dict[str, torch.Tensor]:
@@ -388,24 +390,22 @@ class _Step(nn.Module):
 
 
 class CompiledStep:
-    """`model.step` through compiled packages for batches of 1 to `max_batch` sequences (`one_row` for a
-    single one, `rows` for the rest; the same runner where one package serves all); any other batch, or a
-    state whose tensors are not laid out as `initial_state` lays them out, steps eagerly."""
+    """`model.step` through the compiled package for batches of 1 to `max_batch` sequences; any other batch, or
+    a state whose tensors are not laid out as `initial_state` lays them out, steps eagerly."""
 
-    def __init__(self, model: AFTLM, one_row: PackageRunner, rows: PackageRunner, max_batch: int):
+    def __init__(self, model: AFTLM, run: PackageRunner, max_batch: int):
         self.model, self.max_batch = model, max_batch
         self.device = model.embed.weight.device
         self.names = list(model.initial_state(1)[0])  # the package's inputs: the ids, then each layer's in this order
-        self.one_row, self.rows = one_row, rows  # the packages' runners, called directly: no pytree per token
-        self.checked: list[torch.Tensor] = []  # the last inputs found laid out as the packages take them
+        self.run = run  # the package's runner, called directly: no pytree per token
+        self.checked: list[torch.Tensor] = []  # the last inputs found laid out as the package takes them
 
     def __call__(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         ids = ids.to(self.device, torch.long).contiguous()
         inputs = [ids, *(layer[name] for layer in state for name in self.names)]
         if not self._laid_out(inputs):
             return self.model.step(ids, state)
-        run = self.one_row if ids.shape[0] == 1 else self.rows
-        return run(inputs)[0], state
+        return self.run(inputs)[0], state
 
     def _laid_out(self, inputs: list[torch.Tensor]) -> bool:
         """Whether the package can read `inputs`' raw memory: the shapes and strides it was compiled for.
@@ -441,14 +441,10 @@ def compile_step(model: AFTLM, max_batch: int = 1) -> tuple[StepFunction, str]:
 
 
 def _compiled_step(model: AFTLM, max_batch: int) -> tuple[CompiledStep, str]:
-    """The packages for 1 to `max_batch` rows: one, or with weights stored lower than float32 (aftgen.layers)
-    a second for a single row, where matrix-vector products are written apart; and " (from the cache)"
-    where the cache had them all."""
-    rows, origin = _step_runner(model, max_batch)
-    if max_batch == 1 or model.embed.weight.dtype == torch.float32:
-        return CompiledStep(model, rows, rows, max_batch), origin
-    one_row, one_row_origin = _step_runner(model, 1)
-    return CompiledStep(model, one_row, rows, max_batch), origin if origin == one_row_origin else ""
+    """The package for 1 to `max_batch` rows (one for 1 to MAX_ROWS), and " (from the cache)" where the cache
+    had it."""
+    run, origin = _step_runner(model, MAX_ROWS)
+    return CompiledStep(model, run, max_batch), origin
 
 
 def _step_runner(model: AFTLM, max_batch: int) -> tuple[PackageRunner, str]:
@@ -482,29 +478,20 @@ def loaded_runner(path: Path, constants: dict[str, torch.Tensor]) -> PackageRunn
 
 
 def _package_step(model: AFTLM, max_batch: int, path: Path) -> None:
-    """Export the step for 1 to `max_batch` rows (one graph with a dynamic batch size, or batch 1 alone, its
-    products written for one row) and compile it into a package at `path`, written atomically (another
-    process may be loading it)."""
-    ids = torch.zeros(max_batch, dtype=torch.long, device=model.embed.weight.device)
-    state, shapes = model.initial_state(max_batch), None
-    if max_batch > 1:
-        rows = torch.export.Dim("rows", min=1, max=max_batch)
-        per_layer = [{name: {0: rows} if t.dim() else None for name, t in layer.items()} for layer in state]
-        shapes = ({0: rows}, per_layer)
-    configs = _package_configs(max_batch)
-    products = contextlib.nullcontext()
-    if max_batch == 1:  # written-out products, rounded to bf16 as the matrix kernels round theirs
-        products, configs["emulate_precision_casts"] = one_row_products(), True
-    with warnings.catch_warnings(), products, atomic_open(path) as handle:
+    """Export the step for 1 to `max_batch` rows (one graph with a dynamic batch size) and compile it into a
+    package at `path`, written atomically (another process may be loading it)."""
+    example = min(max_batch, EXAMPLE_ROWS)
+    ids = torch.zeros(example, dtype=torch.long, device=model.embed.weight.device)
+    state = model.initial_state(example)
+    rows = torch.export.Dim("rows", min=1, max=max_batch)
+    per_layer = [{name: {0: rows} if t.dim() else None for name, t in layer.items()} for layer in state]
+    shapes = ({0: rows}, per_layer)
+    configs = dict(STEP_PACKAGE_CONFIG)  # a copy: the compiler adds to it
+    with warnings.catch_warnings(), written_products(), atomic_open(path) as handle:
         # torch's own pytree code trips torch's own deprecation (2.13): a warning no user can act on
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
         program = torch.export.export(_Step(model), (ids, state), dynamic_shapes=shapes)
         torch._inductor.aoti_compile_and_package(program, package_path=handle, inductor_configs=configs)
-
-
-def _package_configs(max_batch: int) -> dict:
-    """The compiler's settings for a package of 1 to `max_batch` rows (a new dict: the compiler adds to it)."""
-    return STEP_PACKAGE_CONFIG | STEP_THREADS["one row" if max_batch == 1 else "rows"]
 
 
 def _step_key(model: AFTLM, max_batch: int) -> str:
@@ -515,7 +502,7 @@ def _step_key(model: AFTLM, max_batch: int) -> str:
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
     facts = [STEP_PACKAGE_FORMAT, model.config.to_dict(), max_batch, str(device), hardware, str(autocast),
-             str(model.embed.weight.dtype), torch.__version__, _package_configs(max_batch)]  # fmt: skip
+             str(model.embed.weight.dtype), torch.__version__, STEP_PACKAGE_CONFIG]  # fmt: skip
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
     here = Path(__file__).parent
     for source in sorted([Path(__file__), here / "layers.py", *here.glob("mixers/*.py")]):  # the code the step runs

@@ -167,8 +167,11 @@ def latest_output(q: torch.Tensor, tables: StepTables, state: MixerState, newest
     a, b, p = state["prefix_num"], state["prefix_den"], state["prefix_max"]  # (B, H, D)
     if not s:
         return torch.sigmoid(q).mul_(a).div_(b)
-    win_exp_k, win_v = state["window_exp_k"], state["window_v"]  # (B, s, H, D)
-    bias_weight = tables.window_weight.index_select(0, (s - 1) - newest_slot)  # (1, H, s)
+    # The window oldest first, whatever slot the ring has reached: a row's sums then run in the order of its
+    # tokens, the same alone as in a batch, whose rows are rephased to the batch's position (aftgen.serve.batch).
+    oldest_first = (newest_slot + 1 + torch.arange(s, device=newest_slot.device)) % s
+    win_exp_k, win_v = (state[name].index_select(1, oldest_first) for name in ("window_exp_k", "window_v"))
+    bias_weight = tables.window_weight[:1]  # (1, H, s): each distance's exp(w), oldest first
     weights = win_exp_k * bias_weight.permute(0, 2, 1)[..., None]  # (B, s, H, D): exp(k + w[distance])
     prefix_weight = p.exp()
     num = torch.linalg.vecdot(weights, win_v, dim=1).addcmul_(a, prefix_weight)

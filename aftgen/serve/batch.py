@@ -7,6 +7,10 @@ their rings. Only the phase matters to the step (the prefix sums do not depend o
 a joining row's state is rephased to the batch's position (`AFTLM.rephase`: the mixer rotates its
 window), and back when it leaves. The step itself is the library's, unchanged.
 
+A row's logits are what it would get alone, whatever the rows beside it: the compiled step is written so
+(aftgen.model, aftgen.layers), and the eager step, whose matrix kernels round differently with the number of
+rows, steps each row on its own (`rows_apart`).
+
 The rows live in buffers allocated once for `capacity` sequences: joining copies one row in, leaving
 moves the last row into the gap. Nothing is reallocated as requests come and go, so memory holds
 still however busy the server gets.
@@ -36,10 +40,10 @@ class Batch:
     """
 
     def __init__(self, model: AFTLM, capacity: int, step: StepFunction | None = None):
-        """`step`: how the rows are stepped, `model.step` or a compiled form of it (CompiledBatchStep)."""
+        """`step`: how the rows are stepped, a compiled step (CompiledBatchStep; None: `model.step`, rows apart)."""
         if not fixed_size_state(model.config.mixer):
             raise ValueError(f"a {model.config.mixer} mixer has no fixed-size state to batch")
-        self.model, self.capacity, self.run_step = model, capacity, step or model.step
+        self.model, self.capacity, self.run_step = model, capacity, step or rows_apart(model.step)
         # Untouched memory: pages become resident only as rows are first used.
         self.buffers = [
             {name: t.new_empty((capacity, *t.shape[1:])) for name, t in layer.items() if t.dim()}
@@ -112,16 +116,36 @@ class Batch:
         return self.logits
 
 
+def rows_apart(step: StepFunction) -> StepFunction:
+    """`step` for a batch as each row's own batch-1 step, one after another: each row's logits are then exactly
+    those it gets alone. Slower than one step of them all: for the eager step, whose matrix kernels round a row
+    differently with the number of rows."""
+
+    def each_row(ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
+        logits = []
+        for row in range(ids.shape[0]):  # views of the row (updated in place), and the batch's position each
+            own = [{name: t[row : row + 1] if t.dim() else t.clone() for name, t in layer.items()} for layer in state]
+            logits.append(step(ids[row : row + 1], own)[0])
+        for layer, row_layer in zip(state, own, strict=True):  # the position, as every row advanced it
+            for name, tensor in layer.items():
+                if not tensor.dim():
+                    tensor.copy_(row_layer[name])
+        return torch.cat(logits), state
+
+    return each_row
+
+
 class CompiledBatchStep:
     """The model's step compiled for 1 to `rows` rows (model.compile_step) under `placement`, as the batch runs
-    it; `model.step` where compiling fails (one line on stderr says why), and until the compile is done.
+    it; `model.step` rows apart where compiling fails (one line on stderr says why), and until the compile is
+    done.
 
     Made when a server starts, before it listens: it waits `wait` seconds at most for the compile (a second
     start loads it from the cache in about a second), then goes on eagerly while the compile finishes.
     """
 
     def __init__(self, model: AFTLM, rows: int, placement: Placement, wait: float = COMPILE_WAIT):
-        self.model, self.step = model, model.step
+        self.model, self.step = model, rows_apart(model.step)
         compiling = threading.Thread(target=self._compile, args=(rows, placement), name="aftgen-compile", daemon=True)
         compiling.start()
         compiling.join(wait)
@@ -133,6 +157,7 @@ class CompiledBatchStep:
             step, note = compile_step(self.model, rows)
         if step == self.model.step:  # bound methods: equal, never the same object
             say(f"the batched step: {note}")
+            return
         self.step = step
 
     def __call__(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:

@@ -1,0 +1,147 @@
+"""The same request, the same text: a row's logits do not depend on the rows beside it, on every path that
+steps a batch (the compiled package, float32 and bf16 weights, and the eager step rows apart), and a server's
+text is what `aftgen sample --seed` prints, alone, with n: 2 and among eight other requests."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+from test_serve import LONG, Stream, busy_slots, client, running
+from typer.testing import CliRunner
+
+from aftgen.cli import app
+from aftgen.model import AFTLM, AFTConfig, clone_state, compile_step
+from aftgen.serve.batch import Batch, CompiledBatchStep
+
+VOCAB = 256
+ROWS = (1, 2, 9, 32)
+WEIGHTS = {"float32": torch.float32, "bf16": torch.bfloat16}
+
+
+def small_model(weights: torch.dtype) -> AFTLM:
+    """Wide enough that products of another order round differently somewhere in every step."""
+    torch.manual_seed(0)
+    model = AFTLM(AFTConfig(vocab_size=VOCAB, n_layer=2, n_embd=64, n_head=4, window=8, context_length=64))
+    with torch.no_grad():
+        for block in model.blocks:
+            block.mixer.perturb_()
+    return model.eval().lower_weights(weights)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Iterator[dict]:
+    """Each weight dtype's model and its compiled step, compiled once into a cache of this module's own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AFTGEN_CACHE", str(tmp_path_factory.mktemp("cache")))
+        patch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        steps = {}
+        for name, dtype in WEIGHTS.items():
+            model = small_model(dtype)
+            step, note = compile_step(model, max(ROWS))
+            if note.startswith("eager"):
+                pytest.skip(f"no compiler here: {note}")
+            steps[name] = model, step
+        yield steps
+
+
+def histories(model: AFTLM, count: int) -> list[tuple[int, list, int]]:
+    """(owner, batch-1 state, position) for `count` rows that read different prompts of different lengths."""
+    generator = torch.Generator().manual_seed(count)
+    joining = []
+    for row in range(count):
+        ids = torch.randint(0, VOCAB, (1, 3 + row % 11), generator=generator)
+        joining.append((row, model.prefill(ids, last_only=True)[1], ids.shape[1]))
+    return joining
+
+
+def stepped(model: AFTLM, step, joining: list, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """The logits of each step of a batch of `joining`'s rows, fed `tokens` (steps, rows)."""
+    batch = Batch(model, capacity=len(joining), step=step)
+    with torch.inference_mode():
+        batch.add([(owner, clone_state(state), position) for owner, state, position in joining])
+        return [batch.step(column).clone() for column in tokens]
+
+
+def assert_each_row_as_alone(model: AFTLM, step) -> None:
+    for rows in ROWS:
+        joining = histories(model, rows)
+        tokens = torch.randint(0, VOCAB, (3, rows), generator=torch.Generator().manual_seed(rows))
+        together = stepped(model, step, joining, tokens)
+        for row in range(rows):
+            alone = stepped(model, step, joining[row : row + 1], tokens[:, row : row + 1])
+            for t, logits in enumerate(alone):
+                assert torch.equal(logits[0], together[t][row]), f"row {row} of {rows}, step {t}"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_a_compiled_rows_logits_are_its_own_alone_whatever_the_rows_beside_it(compiled, weights, threads):
+    model, step = compiled[weights]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_each_row_as_alone(model, step)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_the_eager_steps_rows_are_their_own_alone_while_the_step_compiles(weights, monkeypatch):
+    """The server's step until its compile is done (and where none works): the eager step, rows apart."""
+    model = small_model(WEIGHTS[weights])
+    monkeypatch.setattr(CompiledBatchStep, "_compile", lambda *args: None)  # a compile that never ends
+    assert_each_row_as_alone(model, CompiledBatchStep(model, max(ROWS), placement=None, wait=0))
+    assert_each_row_as_alone(model, None)  # a server that does not compile
+
+
+PROMPT = "NURSE:"
+ASKS = {"seeded": dict(seed=5, temperature=0.8), "greedy": dict(seed=5, temperature=0.0)}
+
+
+def sampled(model_dir, compile_step: bool, seed: int, temperature: float) -> str:
+    """What `aftgen sample --seed` prints after the prompt."""
+    command = ["sample", "-m", str(model_dir), "-p", PROMPT, "-n", "60", "--seed", str(seed), "--no-echo"]
+    command += ["--temperature", str(temperature), "--compile" if compile_step else "--no-compile"]
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 0, result.output
+    return result.stdout.removesuffix("\n")
+
+
+@contextlib.contextmanager
+def others_running(url: str) -> Iterator[None]:
+    """Eight other requests generating (sampled, greedy, other seeds), each longer than the test."""
+    with httpx.Client(timeout=60) as http:
+        others = [Stream(http, url, "JULIET: " * (i + 1), LONG, seed=i, temperature=0.5 * (i % 3)) for i in range(8)]
+        for stream in others:
+            stream.texts(1)
+        assert busy_slots(url) == 8
+        try:
+            yield
+        finally:
+            for stream in others:
+                stream.close()
+
+
+@pytest.mark.parametrize("compile_step", [True, False], ids=["compiled", "eager"])
+def test_a_request_gives_aftgen_samples_text_alone_with_n_2_and_among_eight_others(tiny_run, compile_step):
+    """The machine's own weights (bf16 where the CPU has bf16 units, else float32). `aftgen sample --compile`
+    runs first: it compiles the package the server then loads, so the server never steps eagerly meanwhile."""
+    expected = {name: sampled(tiny_run, compile_step, **ask) for name, ask in ASKS.items()}
+    with running(tiny_run, compile_step=compile_step, dtype="auto") as url:
+        api = client(url)
+
+        def texts(n: int = 1) -> dict[str, list[str]]:
+            asked = {name: api.completions.create(model=tiny_run.name, prompt=PROMPT, max_tokens=60, n=n, **ask)
+                     for name, ask in ASKS.items()}  # fmt: skip
+            return {name: [choice.text for choice in sorted(reply.choices, key=lambda c: c.index)]
+                    for name, reply in asked.items()}  # fmt: skip
+
+        alone, two = texts(), texts(n=2)
+        with others_running(url):
+            among_others = texts()
+    for name, text in expected.items():
+        assert alone[name][0] == two[name][0] == among_others[name][0] == text, name
