@@ -20,7 +20,7 @@ from conftest import DEVICE, make_corpus
 from typer.testing import CliRunner
 
 from aftgen.cli import app
-from aftgen.corpus import CorpusOptions, prepare_corpus, sources
+from aftgen.corpus import CorpusOptions, prepare_corpus
 from aftgen.corpus import cache as corpus_cache
 from aftgen.corpus import sample as corpus_sample
 from aftgen.corpus.sample import evenly
@@ -262,14 +262,14 @@ def bad_files() -> dict[str, bytes]:
 def test_a_bad_file_in_a_folder_is_one_line_naming_it_or_skipped(tmp_path, monkeypatch, bad):
     folder = make_folder(tmp_path / "corpus", files=6)
     (folder / bad).write_bytes(bad_files()[bad])
-    real_open = open
+    real_open = os.open
 
     def no_permission(path, *args, **kwargs):
         if Path(path).name == "locked.txt":
             raise PermissionError(13, "Permission denied")
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(sources, "open", no_permission, raising=False)
+    monkeypatch.setattr(os, "open", no_permission)  # root reads any file: the refusal a user would get
     messages = {"picture.txt": "looks binary", "latin1.txt": "not valid utf-8", "locked.txt": "cannot read"}
     assert_one_error(invoke("prepare", folder, "--vocab-size", 300), rf"{bad}: .*{messages[bad]}.*--skip-bad-files")
     skipped = invoke("prepare", folder, "--vocab-size", 300, "--skip-bad-files")

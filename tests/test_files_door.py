@@ -171,7 +171,6 @@ ALLOWED = {
     ("aftgen/serve/app.py", "playground"): "a page shipped in the package (importlib.resources)",
     ("aftgen/model.py", "_step_key"): "the package's own source files, hashed",
     ("aftgen/cli/common.py", "quiet_stdout"): "os.devnull, once a reader of stdout went away",
-    ("aftgen/corpus/sources.py", "_open_regular"): "corpus files: opened O_NONBLOCK and fstat-checked there",
     ("aftgen/bench/side_by_side.py", "__init__"): "the child's log, in the bench's own temporary folder",
     ("aftgen/bench/side_by_side.py", "started"): "the child's log, in the bench's own temporary folder",
     ("aftgen/bench/side_by_side.py", "steps_per_s"): "the child's log, in the bench's own temporary folder",

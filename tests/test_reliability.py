@@ -849,7 +849,7 @@ def _zero(folder: Path) -> tuple[Path, str]:
 @pytest.mark.parametrize("make", [_fifo, _zero], ids=["fifo", "dev-zero"])
 def test_inputs_that_are_not_files_are_refused_at_once(tmp_path, tiny_run, make, no_hang):
     source, kind = make(tmp_path)
-    refused = f"{source} is {kind}, not a file: give the path of a"
+    refused = f"{source}(: text file)? is {kind}, not a (regular )?file"
     model = ["--model", tiny_run, "--device", DEVICE]
     assert_one_error(invoke("eval", source, *model), refused)
     assert_one_error(invoke("sample", "--prompt-file", source, *model), refused)

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import codecs
 import hashlib
-import os
-import stat
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from aftgen import files
 from aftgen.errors import AftgenError
-from aftgen.files import kind_of
 
 DEFAULT_GLOB = "*.txt"
 DECODE_ERRORS = ("strict", "replace", "ignore")  # what --errors takes: Python's ways with undecodable bytes
@@ -124,16 +123,12 @@ def _blocks(path: Path, encoding: str, errors: str) -> Iterator[tuple[bytes, str
 
 
 def _open_regular(path: Path) -> BinaryIO:
-    """`path` opened for reading if it is a regular file; BadFile if not. A FIFO would block until some
-    writer came and a device such as /dev/zero never ends, so the file is opened without blocking and
-    looked at through the opened descriptor: nothing can swap it between the look and the read."""
-    handle = open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK))
-    mode = os.fstat(handle.fileno()).st_mode
-    if not stat.S_ISREG(mode):
-        handle.close()
-        raise BadFile(f"{path} is {kind_of(mode)}, not a file: give the path of a text file")
-    os.set_blocking(handle.fileno(), True)
-    return handle
+    """`path` opened through the files door (a regular file of any size; a FIFO or device is refused at once,
+    never read); BadFile if not, so that --skip-bad-files can skip it."""
+    try:
+        return files.open_regular(path, sys.maxsize, "text file")
+    except AftgenError as exc:
+        raise BadFile(str(exc)) from None
 
 
 def _refuse_binary(path: Path, nuls: int, read: int) -> None:
