@@ -55,10 +55,7 @@ def _written_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # A view of x as it is makes the compiler store x once (Inductor realizes as_strided's input), rather than
     # fold all that made it into the sum of every output.
     x = x.as_strided(x.shape, x.stride(), x.storage_offset())
-    # (..., in, 1) * (in, out) summed over `in`: Inductor vectorizes over the outputs, and each output's sum runs
-    # along the input one term after another, for one row as for many (summed over the last dimension instead,
-    # its partial sums of every 16th term came out otherwise for some rows of a batch).
-    return (x.float().unsqueeze(-1) * weight.float().t()).sum(-2).to(weight.dtype)
+    return (x.float().unsqueeze(-2) * weight.float()).sum(-1).to(weight.dtype)
 
 
 class Linear(nn.Linear):
