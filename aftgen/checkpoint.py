@@ -162,6 +162,9 @@ def safetensors_metadata(source: Path | str | bytes) -> dict[str, str]:
         (length,) = struct.unpack("<Q", handle.read(8).ljust(8, b"\0"))
         if length > HEADER_MOST:
             raise ValueError("safetensors header too large")
-        header = json.loads(handle.read(length).decode("utf-8"))
+        try:
+            header = json.loads(handle.read(length).decode("utf-8"))
+        except RecursionError:  # nested deeper than json reads: malformed like any other header
+            raise ValueError("safetensors header nested too deep") from None
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     return metadata if isinstance(metadata, dict) else {}

@@ -147,6 +147,15 @@ def test_a_state_file_that_is_no_file_or_too_large_is_refused_before_it_is_read(
             load_state(path, model, tokenizer)
 
 
+def test_a_state_file_whose_header_is_nested_too_deep_is_refused(tmp_path, tiny_run):
+    model, tokenizer = load(tiny_run, device="cpu")
+    header = b"[" * 20_000 + b"]" * 20_000  # within the state file's limit; json gives up far sooner
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(AftgenError, match="deep.safetensors: not an aftgen state file"):
+        load_state(path, model, tokenizer)
+
+
 def test_a_session_file_that_is_no_file_gets_400_and_the_server_goes_on(tmp_path, tiny_run):
     sessions = tmp_path / "sessions"
     sessions.mkdir()
