@@ -289,22 +289,40 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def append_durably(path: Path | str, data: bytes) -> None:
-    """Add `data` at the end of the regular file `path` and sync it to disk; a link there is refused, never
-    followed, and so is anything but a regular file (appending would block on a FIFO)."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise _write_error(Path(path), exc) from None
-    with os.fdopen(fd, "wb") as handle:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise AftgenError(f"{path} is {kind_of(mode)}, not a file: remove it and retry")
+    """Add `data` at the end of the regular file `path` and sync it to disk (see `_open_to_change`)."""
+    with _open_to_change(path, os.O_APPEND) as handle:
         try:
             handle.write(data)
             handle.flush()
-            os.fsync(fd)
+            os.fsync(handle.fileno())
         except OSError as exc:
             raise _write_error(Path(path), exc) from None
+
+
+def truncate(path: Path | str, size: int) -> None:
+    """Cut the regular file `path` to `size` bytes (see `_open_to_change`)."""
+    with _open_to_change(path) as handle:
+        try:
+            os.ftruncate(handle.fileno(), size)
+        except OSError as exc:
+            raise _write_error(Path(path), exc) from None
+
+
+def _open_to_change(path: Path | str, flags: int = 0) -> BinaryIO:
+    """The existing file `path` opened for writing in place. A link there is refused, never followed (the
+    change would reach the file it points to), and so is anything but a regular file (a FIFO would block)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise AftgenError(f"{path} is a link, not a file aftgen made: remove it and retry") from None
+        raise _write_error(Path(path), exc) from None
+    handle = os.fdopen(fd, "wb")
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        handle.close()
+        raise AftgenError(f"{path} is {kind_of(mode)}, not a file: remove it and retry")
+    return handle
 
 
 def is_count(value: object) -> bool:

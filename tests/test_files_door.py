@@ -4,6 +4,7 @@ blocking on a FIFO or device, and every write or lock leaves the file a planted 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +20,17 @@ from aftgen.api import load
 from aftgen.bench.measure import tree_memory_mb
 from aftgen.corpus.cache import TokenFiles
 from aftgen.errors import AftgenError
-from aftgen.files import LOCK, atomic_write, locked_folder, open_regular, read_bytes, read_json, read_text, shown
+from aftgen.files import (
+    LOCK,
+    atomic_write,
+    locked_folder,
+    open_regular,
+    read_bytes,
+    read_json,
+    read_text,
+    shown,
+    truncate,
+)
 from aftgen.serve.sessions import SUFFIX
 from aftgen.state import load_state
 
@@ -113,6 +124,24 @@ def test_the_corpus_cache_lock_is_not_written_through_a_link(tmp_path, victim):
     files = TokenFiles(tmp_path / "entry", np.uint16, {"held_out": [], "train": []}, 400)
     with pytest.raises(AftgenError, match="is a link"), files.locked():
         pytest.fail("locked through a link")
+
+
+def test_resuming_a_corpus_cache_entry_does_not_cut_the_file_a_token_file_links_to(tmp_path, victim):
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    zero = {"span": 0, "char": 0, "tokens": 0, "bytes": 0}  # a record that fits any corpus: nothing read yet
+    (entry / "progress.json").write_text(json.dumps({"held_out": zero, "train": zero}))
+    (entry / "held_out.bin").write_bytes(b"")
+    (entry / "train.bin").symlink_to(victim)
+    files = TokenFiles(entry, np.uint16, {"held_out": [], "train": []}, 400)
+    files.resume(print)  # cut the token files back to the record: never the file a link points to
+    assert not (entry / "train.bin").is_symlink() and (entry / "train.bin").read_bytes() == b""
+
+
+def test_a_file_cut_back_in_place_is_never_reached_through_a_link(tmp_path, victim):
+    (tmp_path / "train.bin").symlink_to(victim)  # swapped in after the entry was checked, say
+    with pytest.raises(AftgenError, match="train.bin is a link"):
+        truncate(tmp_path / "train.bin", 0)
 
 
 def test_training_into_a_run_folder_with_a_planted_lock_leaves_its_target_alone(tmp_path, corpus, victim):

@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +29,16 @@ import torch
 
 from aftgen.corpus.token_file import TokenFile
 from aftgen.errors import AftgenError
-from aftgen.files import append_durably, atomic_write, cache_dir, is_count, open_lock, open_regular, read_json
+from aftgen.files import (
+    append_durably,
+    atomic_write,
+    cache_dir,
+    is_count,
+    open_lock,
+    open_regular,
+    read_json,
+    truncate,
+)
 
 FORMAT = 1  # bump when what a cache entry holds changes
 PARTS = ("held_out", "train")
@@ -47,6 +57,16 @@ def corpus_folder(key: str) -> Path:
 
 def _fresh() -> dict:
     return {"span": 0, "char": 0, "tokens": 0, "bytes": 0}
+
+
+def _size(path: Path) -> int:
+    """The size of the regular file at `path`, or -1: none there, or a link (never followed: cutting the token
+    file back to its record would cut the file it points to; read as missing, the entry is prepared again)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return -1
+    return info.st_size if stat.S_ISREG(info.st_mode) else -1
 
 
 Warn = Callable[[str], None]
@@ -98,7 +118,7 @@ class TokenFiles:
             progress, problem = self._checked(PROGRESS, complete=False)
             if problem is None:
                 for part in PARTS:
-                    os.truncate(self.path(part), progress[part]["tokens"] * self.dtype.itemsize)  # a chunk cut short
+                    truncate(self.path(part), progress[part]["tokens"] * self.dtype.itemsize)  # a chunk cut short
                 self.progress = progress
                 return True
             warn(f"warning: {self.folder / PROGRESS} is damaged ({problem}); preparing that cache entry from the start")
@@ -140,7 +160,7 @@ class TokenFiles:
             read = sum(spans[:span]) + char
             if counts["bytes"] < read or tokens < span + (char > 0):
                 return f"'{part}' counts {tokens} tokens and {counts['bytes']} bytes for {read} characters"
-            size = self.path(part).stat().st_size if self.path(part).exists() else -1
+            size = _size(self.path(part))
             wanted = tokens * self.dtype.itemsize
             if size < wanted or (complete and size != wanted):
                 return f"{self.path(part).name} holds {max(size, 0)} bytes, not the {wanted} it should"
