@@ -33,6 +33,7 @@ FORMAT_VERSION = 1
 # Precisions model.safetensors may hold; weights are always used in fp32 (fp16 halves the file).
 WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 CONFIG_LIMIT = 1 << 20  # bytes: config.json is a dozen fields, far under this
+CARD_LIMIT = 16 << 20  # bytes: a model card is a few KB of markdown
 HEADER_LIMIT = 1 << 20  # bytes: a weights file's header, a name, dtype, shape and offsets per tensor
 HEADER_MOST = 100_000_000  # bytes: the most safetensors itself reads as a header
 

@@ -16,6 +16,7 @@ from aftgen.files import atomic_write
 from aftgen.record import read_run_files
 
 CURVES = "curves.png"
+CURVES_LIMIT = 64 << 20  # bytes: the picture of a run's curves is about 100 KB
 INSTALL_HINT = "pip install 'aftgen[plot]'"
 MISSING = f"note: matplotlib is not installed, so no {CURVES} is drawn; {INSTALL_HINT} to get the picture"
 RAW = "raw_weights_held_out_nats_per_char"

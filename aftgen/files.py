@@ -60,14 +60,17 @@ def kind_of(mode: int) -> str:
     return _KINDS.get(stat.S_IFMT(mode), "a special file")
 
 
-def open_regular(path: Path | str, limit: int, what: str) -> BinaryIO:
+def open_regular(path: Path | str, limit: int, what: str, follow: bool = True) -> BinaryIO:
     """`path` opened for reading in binary, if it is a regular file of at most `limit` bytes (a link to one
-    is followed). The open itself never blocks (O_NONBLOCK: a FIFO would wait for a writer), and what was
-    opened is checked, not the name, so a link swapped in between cannot smuggle in a device or FIFO."""
+    is followed, unless not `follow`). The open itself never blocks (O_NONBLOCK: a FIFO would wait for a
+    writer), and what was opened is checked, not the name, so a link swapped in between cannot smuggle in a
+    device or FIFO."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY | (0 if follow else os.O_NOFOLLOW))
     except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow:
+            raise AftgenError(f"{path}: {what} is a link, which aftgen never makes; remove it") from None
         raise AftgenError(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
     try:
         info = os.fstat(fd)
@@ -89,9 +92,9 @@ def _check_size(path: Path, size: int, limit: int, what: str) -> None:
         )
 
 
-def read_bytes(path: Path | str, limit: int, what: str) -> bytes:
+def read_bytes(path: Path | str, limit: int, what: str, follow: bool = True) -> bytes:
     """The whole of a regular file of at most `limit` bytes (see `open_regular`); `what` names it in errors."""
-    with open_regular(path, limit, what) as handle:
+    with open_regular(path, limit, what, follow) as handle:
         try:
             data = handle.read(limit + 1)  # limit + 1: a file that grew after the check is still refused
         except OSError as exc:
@@ -100,9 +103,9 @@ def read_bytes(path: Path | str, limit: int, what: str) -> bytes:
     return data
 
 
-def read_text(path: Path | str, limit: int, what: str, encoding: str = "utf-8") -> str:
+def read_text(path: Path | str, limit: int, what: str, encoding: str = "utf-8", follow: bool = True) -> str:
     """A regular file of at most `limit` bytes, decoded."""
-    data = read_bytes(path, limit, what)
+    data = read_bytes(path, limit, what, follow)
     try:
         return data.decode(encoding)
     except UnicodeDecodeError as exc:

@@ -8,15 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from aftgen.card import run_card
-from aftgen.checkpoint import CARD, CHECKPOINT_FILES, load_checkpoint
-from aftgen.corpus import read_text
-from aftgen.curves import CURVES
+from aftgen.checkpoint import CARD, CARD_LIMIT, CHECKPOINT_FILES, load_checkpoint
+from aftgen.curves import CURVES, CURVES_LIMIT
 from aftgen.errors import AftgenError
+from aftgen.files import read_bytes, read_text
 from aftgen.hub import hub_errors
 from aftgen.model import AFTLM
-from aftgen.record import METRICS, TRAINING_INFO, TRAINING_STATE
+from aftgen.record import INFO_LIMIT, METRICS, METRICS_LIMIT, TRAINING_INFO, TRAINING_STATE
 from aftgen.sampling import SamplingOptions, read_prompt, sample_text
 from aftgen.tokenizer import Tokenizer
+from aftgen.training.state_file import largest_training_state
 
 CARD_SAMPLE_TOKENS = 80
 
@@ -39,16 +40,28 @@ def push(
     run_dir = Path(run_dir)
     model, tokenizer = load_checkpoint(run_dir)  # only a complete, valid checkpoint is worth sharing
     if (run_dir / CARD).is_file() and not (run_dir / TRAINING_INFO).is_file():
-        card = read_text(run_dir / CARD)  # a curated checkpoint (models/...): its own card
+        card = read_text(run_dir / CARD, CARD_LIMIT, "the model card", follow=False)  # a curated checkpoint's own
     else:
         card = run_card(run_dir, model.config, _card_sample(model, tokenizer))
-    files = [*CHECKPOINT_FILES, *(name for name in (METRICS, CURVES) if (run_dir / name).is_file())]
+    limits = {
+        name: limit for name, limit in ((METRICS, METRICS_LIMIT), (CURVES, CURVES_LIMIT)) if (run_dir / name).is_file()
+    }
     if include_training_state:
         missing = [name for name in (TRAINING_STATE, TRAINING_INFO) if not (run_dir / name).is_file()]
         if missing:
             raise AftgenError(f"{run_dir}: no training state to include (missing {', '.join(missing)})")
-        files += [TRAINING_STATE, TRAINING_INFO]
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(run_dir / name)) for name in files]
+        limits |= {TRAINING_STATE: largest_training_state(model, model), TRAINING_INFO: INFO_LIMIT}
+    # The checkpoint's files were checked as they loaded; the run's others are published as read here, never
+    # through a link: aftgen makes none, and one in a folder from elsewhere may point at any file of the user's.
+    operations = [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(run_dir / name)) for name in CHECKPOINT_FILES
+    ]
+    operations += [
+        CommitOperationAdd(
+            path_in_repo=name, path_or_fileobj=read_bytes(run_dir / name, limit, "the file to publish", follow=False)
+        )
+        for name, limit in limits.items()
+    ]
     operations.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
 
     api = HfApi()

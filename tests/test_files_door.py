@@ -6,18 +6,22 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
+import huggingface_hub.constants
 import numpy as np
 import pytest
+from fake_hub import FakeHub
 from test_serve import AUTH, running
 
 import aftgen
 from aftgen.api import load
 from aftgen.bench.measure import tree_memory_mb
+from aftgen.checkpoint import CHECKPOINT_FILES
 from aftgen.corpus.cache import TokenFiles
 from aftgen.errors import AftgenError
 from aftgen.files import (
@@ -31,6 +35,7 @@ from aftgen.files import (
     shown,
     truncate,
 )
+from aftgen.publish import push
 from aftgen.serve.sessions import SUFFIX
 from aftgen.state import load_state
 
@@ -154,6 +159,23 @@ def test_training_into_a_run_folder_with_a_planted_lock_leaves_its_target_alone(
     )  # fmt: skip
     assert done.returncode == 2 and done.stderr.count("error:") == 1, done.stderr
     assert "is a link, not a lock file aftgen made" in done.stderr
+
+
+@pytest.mark.parametrize("planted", ["README.md", "metrics.jsonl", "curves.png"])
+def test_push_never_publishes_a_file_that_a_link_in_the_run_folder_points_to(tmp_path, tiny_run, victim, planted):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in CHECKPOINT_FILES:
+        shutil.copy(tiny_run / name, run)
+    if planted != "README.md":  # a curated card: the folder has no training.json, so no metrics are read for one
+        (run / "README.md").write_text("# a curated card\n")
+    (run / planted).symlink_to(victim)  # a folder from elsewhere, its link pointing at a user's key, say
+    with FakeHub() as hub, pytest.MonkeyPatch.context() as env:
+        env.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        env.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)  # the fake Hub takes LFS uploads
+        with pytest.raises(AftgenError, match=f"{planted}: the (file to publish|model card) is a link, which aftgen"):
+            push(run, "mallory/loot")
+    assert "mallory/loot" not in hub.repos
 
 
 def hostile_state_files(folder: Path, suffix: str) -> dict[str, Path]:

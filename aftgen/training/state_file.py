@@ -129,7 +129,7 @@ def load_training_state(
     path = folder / TRAINING_STATE
     info, groups = read_training_info(folder)
     try:
-        tensors = load_safetensors(read_bytes(path, _largest(model, average), "the training state"))
+        tensors = load_safetensors(read_bytes(path, largest_training_state(model, average), "the training state"))
         model.load_state_dict(_prefixed(tensors, "model."))
         if average is not None:
             average.load_state_dict(_prefixed(tensors, "average.") or model.state_dict())
@@ -151,7 +151,7 @@ def load_training_state(
     return info
 
 
-def _largest(model: AFTLM, average: AFTLM | None) -> int:
+def largest_training_state(model: AFTLM, average: AFTLM | None) -> int:
     """The most bytes the state file holds for this model: fp32 weights (and their average), two optimiser
     moments and a step count a parameter, and room for the header and the random states."""
     weights = sum(t.numel() for t in model.state_dict().values())
