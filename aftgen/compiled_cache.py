@@ -45,16 +45,19 @@ def cached_package(package: Path, build: Callable[[Path], None]) -> tuple[Path, 
     """`package`, its library beside it, and " (from the cache)" where the cache holds both as recorded;
     else both built now (`build(package)` writes the package) and recorded, and ""."""
     _check_folder(package.parent)
-    if os.path.lexists(package):
-        damage = _damage(package)
-        if not damage:
-            return package, " (from the cache)"
-        print(f"warning: the compiled step in the cache was damaged ({damage}): compiling it again",
-              file=sys.stderr, flush=True)  # fmt: skip
-    for path in (package, library_of(package), _record_of(package)):  # what a rebuild could not write over
-        _delete(path)
-    build(package)
-    _record(package)
+    # One process at a time: another one starting meanwhile would take a package built but not yet recorded
+    # for a damaged one and delete it, and two compiling at once each take twice as long on a few cores.
+    with files.locked_file(package.with_suffix(".lock")):
+        if os.path.lexists(package):
+            damage = _damage(package)
+            if not damage:
+                return package, " (from the cache)"
+            print(f"warning: the compiled step in the cache was damaged ({damage}): compiling it again",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        for path in (package, library_of(package), _record_of(package)):  # what a rebuild could not write over
+            _delete(path)
+        build(package)
+        _record(package)
     return package, ""
 
 

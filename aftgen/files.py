@@ -244,6 +244,18 @@ def _take_lock(path: Path, warn: Callable[[str], None]) -> int:
     return fd
 
 
+@contextlib.contextmanager
+def locked_file(path: Path) -> Iterator[None]:
+    """Hold the lock file at `path` (see `open_lock`) while the block runs; another process waits for it. The
+    kernel drops an flock however its holder ends."""
+    fd = open_lock(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # which unlocks it
+
+
 def open_lock(path: Path) -> int:
     """A read-write descriptor of the lock file at `path`, created if absent. A link there is refused, never
     followed (locking or writing it would reach the file it points to), and so is anything but a regular

@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import zipfile
 from pathlib import Path
 
 import httpx
@@ -22,6 +24,7 @@ import aftgen
 from aftgen.api import load
 from aftgen.bench.measure import tree_memory_mb
 from aftgen.checkpoint import CHECKPOINT_FILES
+from aftgen.compiled_cache import cached_package
 from aftgen.corpus.cache import TokenFiles
 from aftgen.errors import AftgenError
 from aftgen.files import (
@@ -147,6 +150,27 @@ def test_a_file_cut_back_in_place_is_never_reached_through_a_link(tmp_path, vict
     (tmp_path / "train.bin").symlink_to(victim)  # swapped in after the entry was checked, say
     with pytest.raises(AftgenError, match="train.bin is a link"):
         truncate(tmp_path / "train.bin", 0)
+
+
+def _package(path: Path) -> None:
+    """A stand-in for a compiled step's package: a zip holding one library."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("data/step.so", b"library")
+
+
+def test_a_step_package_built_but_not_yet_recorded_is_not_taken_for_a_damaged_one(tmp_path, capsys):
+    package, second = tmp_path / "step-key.pt2", {}
+
+    def build(path: Path) -> None:
+        _package(path)  # written, not yet recorded: another process starts now
+        second["start"] = threading.Thread(target=lambda: second.update(found=cached_package(path, _package)))
+        second["start"].start()
+        second["start"].join(timeout=1)  # it waits for this one to be recorded (before, it deleted it meanwhile)
+
+    assert cached_package(package, build) == (package, "")
+    second["start"].join()
+    assert second["found"] == (package, " (from the cache)")
+    assert "damaged" not in capsys.readouterr().err
 
 
 def test_training_into_a_run_folder_with_a_planted_lock_leaves_its_target_alone(tmp_path, corpus, victim):

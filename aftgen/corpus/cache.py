@@ -15,7 +15,6 @@ recorded end, which the next run cuts off before it carries on from there.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -34,7 +33,7 @@ from aftgen.files import (
     atomic_write,
     cache_dir,
     is_count,
-    open_lock,
+    locked_file,
     open_regular,
     read_json,
     truncate,
@@ -92,12 +91,8 @@ class TokenFiles:
     def locked(self) -> Iterator[None]:
         """Held while preparing: a second process preparing the same corpus waits, then finds it done."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        fd = open_lock(self.folder / ".lock")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with locked_file(self.folder / ".lock"):
             yield
-        finally:
-            os.close(fd)  # which unlocks it
 
     def finished(self, warn: Warn) -> dict | None:
         """The manifest of complete token files, or None: never written, or damaged (`warn` hears why)."""
