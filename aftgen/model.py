@@ -7,6 +7,7 @@ came before.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -362,15 +363,18 @@ STEP_PACKAGE_CONFIG = {
     "reorder_for_locality": False,
     "aot_inductor.package_constants_in_so": False,
     "always_keep_tensor_constants": True,
-    "cpp.dynamic_threads": True,  # the kernels take torch's thread count as they run: aftgen.cores' share
-    "emulate_precision_casts": True,  # the written-out products round to bf16 where the matrix kernels do
 }
+# How the fused kernels use threads. A batch's take torch's thread count when they run, not when they were
+# compiled: they follow aftgen.cores' share. A single row's work between its products (a few hundred numbers
+# a kernel) is shorter than waking a second thread: its kernels run on one, its products on torch's threads.
+STEP_THREADS = {"rows": {"cpp.dynamic_threads": True}, "one row": {"cpp.threads": 1}}
+WRITTEN_CONFIG = {"emulate_precision_casts": True}  # written-out products round to bf16 where the matrix kernels do
 STEP_PACKAGE_FORMAT = 3  # bump when what a package holds or takes changes
-# One package serves 1 to MAX_ROWS rows (aftgen.serve.options: --parallel at most), whatever a caller's batch:
-# every server and `aftgen sample --compile` run the same code, and a row's logits are the same in each, alone or
-# among others (aftgen.layers).
+# The batch-invariant step (`compile_step(..., batch_invariant=True)`): one package serves 1 to MAX_ROWS rows
+# (aftgen.serve.options: --parallel at most), so every server and `aftgen sample --compile --batch-invariant`
+# run the same code, and a row's logits are the same in each, alone or among others (aftgen.layers).
 MAX_ROWS = 4096
-EXAMPLE_ROWS = 32  # the batch the package is exported with, its kernels tuned for (aftgen serve's default)
+EXAMPLE_ROWS = 32  # the batch that package is exported with, its kernels tuned for (aftgen serve's default)
 
 
 def _weights(model: AFTLM) -> dict[str, torch.Tensor]:
@@ -390,22 +394,24 @@ class _Step(nn.Module):
 
 
 class CompiledStep:
-    """`model.step` through the compiled package for batches of 1 to `max_batch` sequences; any other batch, or
-    a state whose tensors are not laid out as `initial_state` lays them out, steps eagerly."""
+    """`model.step` through compiled packages for batches of 1 to `max_batch` sequences (`one_row` for a
+    single one, `rows` for the rest; the same runner where one package serves all); any other batch, or a
+    state whose tensors are not laid out as `initial_state` lays them out, steps eagerly."""
 
-    def __init__(self, model: AFTLM, run: PackageRunner, max_batch: int):
+    def __init__(self, model: AFTLM, one_row: PackageRunner, rows: PackageRunner, max_batch: int):
         self.model, self.max_batch = model, max_batch
         self.device = model.embed.weight.device
         self.names = list(model.initial_state(1)[0])  # the package's inputs: the ids, then each layer's in this order
-        self.run = run  # the package's runner, called directly: no pytree per token
-        self.checked: list[torch.Tensor] = []  # the last inputs found laid out as the package takes them
+        self.one_row, self.rows = one_row, rows  # the packages' runners, called directly: no pytree per token
+        self.checked: list[torch.Tensor] = []  # the last inputs found laid out as the packages take them
 
     def __call__(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         ids = ids.to(self.device, torch.long).contiguous()
         inputs = [ids, *(layer[name] for layer in state for name in self.names)]
         if not self._laid_out(inputs):
             return self.model.step(ids, state)
-        return self.run(inputs)[0], state
+        run = self.one_row if ids.shape[0] == 1 else self.rows
+        return run(inputs)[0], state
 
     def _laid_out(self, inputs: list[torch.Tensor]) -> bool:
         """Whether the package can read `inputs`' raw memory: the shapes and strides it was compiled for.
@@ -422,9 +428,10 @@ class CompiledStep:
         return True
 
 
-def compile_step(model: AFTLM, max_batch: int = 1) -> tuple[StepFunction, str]:
+def compile_step(model: AFTLM, max_batch: int = 1, batch_invariant: bool = False) -> tuple[StepFunction, str]:
     """`model.step` compiled for every batch size from 1 to `max_batch` (CompiledStep), or `model.step`
-    itself where no compiler works; and a note of what happened.
+    itself where no compiler works; and a note of what happened. `batch_invariant`: a row's logits are the
+    same bits whatever rows share its step (every product written out: several times slower at many rows).
 
     The first compile of a model's architecture (tens of seconds) is kept in aftgen's cache folder; later
     ones, in this process or the next, load it in well under a second. Compile once, before generating,
@@ -432,7 +439,7 @@ def compile_step(model: AFTLM, max_batch: int = 1) -> tuple[StepFunction, str]:
     """
     start = time.perf_counter()
     try:
-        step, origin = _compiled_step(model, max_batch)
+        step, origin = _compiled_step(model, max_batch, batch_invariant)
     except CacheUnusable as exc:  # nothing was compiled: the note says what to delete
         return model.step, f"eager ({exc})"
     except Exception as exc:  # no C++ compiler, a device or op the exporter cannot handle: eager always works
@@ -440,27 +447,35 @@ def compile_step(model: AFTLM, max_batch: int = 1) -> tuple[StepFunction, str]:
     return step, f"compiled{origin} in {time.perf_counter() - start:.1f} s"
 
 
-def _compiled_step(model: AFTLM, max_batch: int) -> tuple[CompiledStep, str]:
-    """The package for 1 to `max_batch` rows (one for 1 to MAX_ROWS), and " (from the cache)" where the cache
-    had it."""
-    run, origin = _step_runner(model, MAX_ROWS)
-    return CompiledStep(model, run, max_batch), origin
+def _compiled_step(model: AFTLM, max_batch: int, batch_invariant: bool) -> tuple[CompiledStep, str]:
+    """The packages for 1 to `max_batch` rows, and " (from the cache)" where the cache had them all: one with
+    every product written out for 1 to MAX_ROWS (batch-invariant); else the matrix kernels' package, and with
+    weights stored lower than float32 (aftgen.layers) a second for a single row, its products written out
+    (faster than the bf16 kernels at one row)."""
+    if batch_invariant:
+        run, origin = _step_runner(model, MAX_ROWS, written=True)
+        return CompiledStep(model, run, run, max_batch), origin
+    rows, origin = _step_runner(model, max_batch, written=False)
+    if max_batch == 1 or model.embed.weight.dtype == torch.float32:
+        return CompiledStep(model, rows, rows, max_batch), origin
+    one_row, one_row_origin = _step_runner(model, 1, written=True)
+    return CompiledStep(model, one_row, rows, max_batch), origin if origin == one_row_origin else ""
 
 
-def _step_runner(model: AFTLM, max_batch: int) -> tuple[PackageRunner, str]:
+def _step_runner(model: AFTLM, max_batch: int, written: bool) -> tuple[PackageRunner, str]:
     """The runner of the model's step package for 1 to `max_batch` rows, and " (from the cache)" where the
     cache had the package. On a CPU it runs without Python's lock (aftgen.aoti)."""
-    path, origin = step_package(model, max_batch)
+    path, origin = step_package(model, max_batch, written)
     runner = UnlockedRunner if model.embed.weight.device.type == "cpu" else loaded_runner
     return runner(path, step_constants(model)), origin
 
 
-def step_package(model: AFTLM, max_batch: int) -> tuple[Path, str]:
-    """The path of the model's step package for 1 to `max_batch` rows, compiled now unless the cache has it
-    intact (aftgen.compiled_cache); and " (from the cache)" where it did."""
+def step_package(model: AFTLM, max_batch: int, written: bool = False) -> tuple[Path, str]:
+    """The path of the model's step package for 1 to `max_batch` rows (`written`: every product written out),
+    compiled now unless the cache has it intact (aftgen.compiled_cache); and " (from the cache)" where it did."""
     use_persistent_compile_cache()
-    path = compiled_folder() / f"step-{_step_key(model, max_batch)}.pt2"
-    return cached_package(path, functools.partial(_package_step, model, max_batch))
+    path = compiled_folder() / f"step-{_step_key(model, max_batch, written)}.pt2"
+    return cached_package(path, functools.partial(_package_step, model, max_batch, written))
 
 
 def step_constants(model: AFTLM) -> dict[str, torch.Tensor]:
@@ -477,24 +492,32 @@ def loaded_runner(path: Path, constants: dict[str, torch.Tensor]) -> PackageRunn
     return package.loader.boxed_run
 
 
-def _package_step(model: AFTLM, max_batch: int, path: Path) -> None:
-    """Export the step for 1 to `max_batch` rows (one graph with a dynamic batch size) and compile it into a
-    package at `path`, written atomically (another process may be loading it)."""
+def _package_step(model: AFTLM, max_batch: int, written: bool, path: Path) -> None:
+    """Export the step for 1 to `max_batch` rows (one graph with a dynamic batch size, or batch 1 alone) and
+    compile it into a package at `path`, written atomically (another process may be loading it)."""
     example = min(max_batch, EXAMPLE_ROWS)
     ids = torch.zeros(example, dtype=torch.long, device=model.embed.weight.device)
-    state = model.initial_state(example)
-    rows = torch.export.Dim("rows", min=1, max=max_batch)
-    per_layer = [{name: {0: rows} if t.dim() else None for name, t in layer.items()} for layer in state]
-    shapes = ({0: rows}, per_layer)
-    configs = dict(STEP_PACKAGE_CONFIG)  # a copy: the compiler adds to it
-    with warnings.catch_warnings(), written_products(), atomic_open(path) as handle:
+    state, shapes = model.initial_state(example), None
+    if max_batch > 1:
+        rows = torch.export.Dim("rows", min=1, max=max_batch)
+        per_layer = [{name: {0: rows} if t.dim() else None for name, t in layer.items()} for layer in state]
+        shapes = ({0: rows}, per_layer)
+    products = written_products() if written else contextlib.nullcontext()
+    with warnings.catch_warnings(), products, atomic_open(path) as handle:
         # torch's own pytree code trips torch's own deprecation (2.13): a warning no user can act on
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
         program = torch.export.export(_Step(model), (ids, state), dynamic_shapes=shapes)
+        configs = _package_configs(max_batch, written)
         torch._inductor.aoti_compile_and_package(program, package_path=handle, inductor_configs=configs)
 
 
-def _step_key(model: AFTLM, max_batch: int) -> str:
+def _package_configs(max_batch: int, written: bool) -> dict:
+    """The compiler's settings for a package of 1 to `max_batch` rows (a new dict: the compiler adds to it)."""
+    threads = STEP_THREADS["one row" if max_batch == 1 else "rows"]
+    return STEP_PACKAGE_CONFIG | threads | (WRITTEN_CONFIG if written else {})
+
+
+def _step_key(model: AFTLM, max_batch: int, written: bool) -> str:
     """What a compiled step depends on: the architecture, the batch range, the step's code, torch, the
     machine's instruction set or GPU, autocast and the weights' dtype. Not the weights: the package is handed
     them when it is loaded."""
@@ -502,7 +525,7 @@ def _step_key(model: AFTLM, max_batch: int) -> str:
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
     facts = [STEP_PACKAGE_FORMAT, model.config.to_dict(), max_batch, str(device), hardware, str(autocast),
-             str(model.embed.weight.dtype), torch.__version__, STEP_PACKAGE_CONFIG]  # fmt: skip
+             str(model.embed.weight.dtype), torch.__version__, _package_configs(max_batch, written)]  # fmt: skip
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
     here = Path(__file__).parent
     for source in sorted([Path(__file__), here / "layers.py", *here.glob("mixers/*.py")]):  # the code the step runs

@@ -1,6 +1,6 @@
-"""The same request, the same text: a row's logits do not depend on the rows beside it, on every path that
-steps a batch (the compiled package, float32 and bf16 weights, and the eager step rows apart), and a server's
-text is what `aftgen sample --seed` prints, alone, with n: 2 and among eight other requests."""
+"""The same request, the same text, with --batch-invariant: a row's logits do not depend on the rows beside it,
+on every path that steps a batch (the compiled package, float32 and bf16 weights, and the eager step rows apart),
+and a server's text is what `aftgen sample --seed` prints, alone, with n: 2 and among eight other requests."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from aftgen.cli import app
 from aftgen.model import AFTLM, AFTConfig, clone_state, compile_step
-from aftgen.serve.batch import Batch, CompiledBatchStep
+from aftgen.serve.batch import Batch, CompiledBatchStep, eager_step
 
 VOCAB = 256
 ROWS = (1, 2, 9, 32)
@@ -41,7 +41,7 @@ def compiled(tmp_path_factory) -> Iterator[dict]:
         steps = {}
         for name, dtype in WEIGHTS.items():
             model = small_model(dtype)
-            step, note = compile_step(model, max(ROWS))
+            step, note = compile_step(model, max(ROWS), batch_invariant=True)
             if note.startswith("eager"):
                 pytest.skip(f"no compiler here: {note}")
             steps[name] = model, step
@@ -94,8 +94,8 @@ def test_the_eager_steps_rows_are_their_own_alone_while_the_step_compiles(weight
     """The server's step until its compile is done (and where none works): the eager step, rows apart."""
     model = small_model(WEIGHTS[weights])
     monkeypatch.setattr(CompiledBatchStep, "_compile", lambda *args: None)  # a compile that never ends
-    assert_each_row_as_alone(model, CompiledBatchStep(model, max(ROWS), placement=None, wait=0))
-    assert_each_row_as_alone(model, None)  # a server that does not compile
+    assert_each_row_as_alone(model, CompiledBatchStep(model, max(ROWS), None, wait=0, batch_invariant=True))
+    assert_each_row_as_alone(model, eager_step(model, batch_invariant=True))  # a server that does not compile
 
 
 PROMPT = "NURSE:"
@@ -105,7 +105,7 @@ ASKS = {"seeded": dict(seed=5, temperature=0.8), "greedy": dict(seed=5, temperat
 def sampled(model_dir, compile_step: bool, seed: int, temperature: float) -> str:
     """What `aftgen sample --seed` prints after the prompt."""
     command = ["sample", "-m", str(model_dir), "-p", PROMPT, "-n", "60", "--seed", str(seed), "--no-echo"]
-    command += ["--temperature", str(temperature), "--compile" if compile_step else "--no-compile"]
+    command += ["--temperature", str(temperature), "--compile" if compile_step else "--no-compile", "--batch-invariant"]
     result = CliRunner().invoke(app, command)
     assert result.exit_code == 0, result.output
     return result.stdout.removesuffix("\n")
@@ -131,7 +131,7 @@ def test_a_request_gives_aftgen_samples_text_alone_with_n_2_and_among_eight_othe
     """The machine's own weights (bf16 where the CPU has bf16 units, else float32). `aftgen sample --compile`
     runs first: it compiles the package the server then loads, so the server never steps eagerly meanwhile."""
     expected = {name: sampled(tiny_run, compile_step, **ask) for name, ask in ASKS.items()}
-    with running(tiny_run, compile_step=compile_step, dtype="auto") as url:
+    with running(tiny_run, compile_step=compile_step, dtype="auto", batch_invariant=True) as url:
         api = client(url)
 
         def texts(n: int = 1) -> dict[str, list[str]]:

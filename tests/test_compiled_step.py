@@ -17,6 +17,7 @@ from conftest import on_device
 
 import aftgen.model
 from aftgen.compiled_cache import library_of
+from aftgen.layers import linear, written_products
 from aftgen.model import AFTLM, AFTConfig, clone_state, compile_step, loaded_runner, step_constants, step_package
 
 MAX_BATCH = 32
@@ -80,6 +81,42 @@ def test_compiled_step_gives_the_eager_logits_and_a_state_that_continues_alike(c
                 eager(following[:, t], fast)[0], step(following[:, t], slow)[0], rtol=1e-4, atol=1e-4
             )
     assert_states_close(fast, slow)
+
+
+def test_written_products_give_what_the_matrix_kernels_give():
+    """Written out for a compiler (layers.written_products), a product with bf16 weights still multiplies x
+    rounded to bf16, as the matrix kernels do: only the order of the float32 sum may differ."""
+    generator = torch.Generator().manual_seed(0)
+    x, weight, bias = torch.randn(1, 96, generator=generator), torch.randn(40, 96, generator=generator), torch.randn(40)
+    weight = weight.bfloat16()
+    with written_products():
+        written_out = linear(x, weight, bias)
+    by_the_kernels = linear(x, weight, bias)
+    assert written_out.dtype == torch.float32
+    torch.testing.assert_close(written_out, by_the_kernels, rtol=2**-7, atol=1e-5)  # one bf16 step at most
+    # and rarely even that: x left in float32 would move about a third of them
+    assert (written_out != by_the_kernels).float().mean() < 0.1
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_bf16_weights_step_through_their_own_one_row_package_with_the_eager_logits(rows, monkeypatch):
+    """With weights stored in bf16 a single row has a package of its own (layers.written_products), and
+    every row count still gives the eager step's logits, as closely as a sum in another order rounded to bf16
+    allows."""
+    model = tiny_model().lower_weights(torch.bfloat16)
+    step, note = compile_step(model, 4)
+    if note.startswith("eager"):
+        pytest.skip(f"no compiler here: {note}")
+    assert step.one_row is not step.rows
+    eager = model.step
+    monkeypatch.setattr(model, "step", no_eager_fallback)
+    state, following = read_prompts(model, rows)
+    fast, slow = clone_state(state), clone_state(state)
+    with torch.inference_mode():
+        for t in range(5):
+            torch.testing.assert_close(
+                step(following[:, t], fast)[0], eager(following[:, t], slow)[0], rtol=1e-2, atol=1e-2
+            )
 
 
 def test_a_second_compile_loads_the_cached_step_and_reads_the_models_own_weights(compiled, monkeypatch):
@@ -180,7 +217,7 @@ def own_cache(compiled, tmp_path, monkeypatch) -> tuple[Path, list[Path]]:
     monkeypatch.setenv("AFTGEN_CACHE", str(tmp_path))
     compiled_package, builds = package.read_bytes(), []
 
-    def compile_again(model: AFTLM, max_batch: int, path: Path) -> None:
+    def compile_again(model: AFTLM, max_batch: int, written: bool, path: Path) -> None:
         builds.append(path)
         path.write_bytes(compiled_package)
 
@@ -230,7 +267,7 @@ def test_a_library_cut_short_is_compiled_again_not_loaded(compiled, tmp_path):
     child = f"""
 import shutil, aftgen.model
 from test_compiled_step import MAX_BATCH, assert_gives_the_eager_logits, tiny_model
-aftgen.model._package_step = lambda model, rows, path: shutil.copyfile({str(compiled_package)!r}, path)
+aftgen.model._package_step = lambda model, rows, written, path: shutil.copyfile({str(compiled_package)!r}, path)
 model = tiny_model()
 step, note = aftgen.model.compile_step(model, MAX_BATCH)
 assert_gives_the_eager_logits(model, step)

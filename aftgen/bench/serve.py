@@ -110,6 +110,7 @@ class ServerProcess:
                    "--dtype", options.dtype]  # fmt: skip
         command += ["--model", options.model] if options.model else []
         command += ["--threads", str(options.threads)] if options.threads else []
+        command += ["--batch-invariant"] if options.batch_invariant else []
         self.log = tempfile.NamedTemporaryFile("w+", prefix="aftgen-bench-serve-", suffix=".log", delete=False)
         self.process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log, env=env
@@ -207,7 +208,9 @@ class Ceiling:
         self.placement: Placement = resolve(options.device, options.dtype, generating=True)
         self.model: AFTLM = load(options.model, self.placement.device)[0].eval().lower_weights(self.placement.weights)
         self.threads = threads
-        self.step = CompiledBatchStep(self.model, max(STREAMS), self.placement)  # the server's: --parallel 32
+        self.step = CompiledBatchStep(  # the server's: --parallel 32
+            self.model, max(STREAMS), self.placement, batch_invariant=options.batch_invariant
+        )
 
     @torch.inference_mode()
     def tokens_per_s(self, streams: int, steps: int) -> float:

@@ -219,6 +219,9 @@ def bench_serve_command(
     ] = None,
     device: DeviceOption = BenchServeOptions.device,
     dtype: DtypeOption = BenchServeOptions.dtype,
+    batch_invariant: Annotated[
+        bool, typer.Option("--batch-invariant", help="Serve with --batch-invariant (and time its engine so).")
+    ] = BenchServeOptions.batch_invariant,
     as_json: AsJson = False,
 ) -> None:
     """Start `aftgen serve` and drive it with 1, 8 and 32 concurrent streams: tokens/s, inter-token latency, memory."""

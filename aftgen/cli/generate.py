@@ -24,6 +24,7 @@ from aftgen.cli.common import (
 )
 from aftgen.corpus import CorpusOptions
 from aftgen.errors import AftgenError
+from aftgen.layers import BATCH_INVARIANT_HELP
 from aftgen.sampling import CONTROLS, check_seed
 from aftgen.sampling import SamplingOptions as Defaults
 from aftgen.tokenizer import valid_text
@@ -65,6 +66,13 @@ Compile = Annotated[
         "--compile/--no-compile", help="Compile the step ahead of time (tens of seconds once, then from the cache)."
     ),
 ]
+BatchInvariant = Annotated[
+    bool,
+    typer.Option(
+        "--batch-invariant/--no-batch-invariant",
+        help=f"With --compile: the step of `aftgen serve --batch-invariant`, and its text. {BATCH_INVARIANT_HELP}",
+    ),
+]
 
 
 def _sampling_options(shared: dict, stop: list[str] | None, num_samples: int = 1) -> Defaults:
@@ -75,7 +83,7 @@ def _sampling_options(shared: dict, stop: list[str] | None, num_samples: int = 1
     return options
 
 
-def _load_for_generation(model: str | None, load_state: Path | None, compile_step: bool, where):
+def _load_for_generation(model: str | None, load_state: Path | None, compile_step: bool, batch_invariant: bool, where):
     """(model, tokenizer, context or None, step function), telling stderr about the compile."""
     from aftgen.api import load
     from aftgen.model import compile_step as compiled
@@ -86,7 +94,7 @@ def _load_for_generation(model: str | None, load_state: Path | None, compile_ste
     context = read_state(load_state, lm, tokenizer) if load_state else None
     step = lm.step
     if compile_step:
-        step, note = compiled(lm)
+        step, note = compiled(lm, batch_invariant=batch_invariant)
         print(f"step: {note}", file=sys.stderr)
     return lm, tokenizer, context, step
 
@@ -114,6 +122,7 @@ def sample(
     load_state: LoadState = None,
     save_state: SaveState = None,
     compile_step: Compile = False,
+    batch_invariant: BatchInvariant = False,
     echo: Annotated[bool, typer.Option(help="Print the prompt before the continuation.")] = True,
     **shared,
 ) -> None:
@@ -127,7 +136,7 @@ def sample(
     require_file(load_state, "state file")
     prompt = _prompt_text(prompt, prompt_file)
     where = placement(shared, generating=True)
-    lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step, where)
+    lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step, batch_invariant, where)
     with where.autocast():
         context = read_prompt(lm, tokenizer, prompt, context, options.seed)
         # A run that will be continued keeps an unfinished last character for the next one.
@@ -205,6 +214,7 @@ def chat(
     load_state: LoadState = None,
     save_state: SaveState = None,
     compile_step: Compile = False,
+    batch_invariant: BatchInvariant = False,
     **shared,
 ) -> None:
     """Talk to a model: each line you type is read into the running state and the model answers.
@@ -218,7 +228,7 @@ def chat(
     require_file(load_state, "state file")
     keep_undecodable_stdin()
     where = placement(shared, generating=True)
-    lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step, where)
+    lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step, batch_invariant, where)
     with where.autocast():
         context = run_chat(lm, tokenizer, options, context, step)
     if save_state is not None and context is not None:

@@ -7,9 +7,9 @@ their rings. Only the phase matters to the step (the prefix sums do not depend o
 a joining row's state is rephased to the batch's position (`AFTLM.rephase`: the mixer rotates its
 window), and back when it leaves. The step itself is the library's, unchanged.
 
-A row's logits are what it would get alone, whatever the rows beside it: the compiled step is written so
-(aftgen.model, aftgen.layers), and the eager step, whose matrix kernels round differently with the number of
-rows, steps each row on its own (`rows_apart`).
+With `--batch-invariant`, a row's logits are what it would get alone, whatever the rows beside it: the
+compiled step is written so (aftgen.model, aftgen.layers), and the eager step, whose matrix kernels round
+differently with the number of rows, steps each row on its own (`rows_apart`).
 
 The rows live in buffers allocated once for `capacity` sequences: joining copies one row in, leaving
 moves the last row into the gap. Nothing is reallocated as requests come and go, so memory holds
@@ -40,10 +40,10 @@ class Batch:
     """
 
     def __init__(self, model: AFTLM, capacity: int, step: StepFunction | None = None):
-        """`step`: how the rows are stepped, a compiled step (CompiledBatchStep; None: `model.step`, rows apart)."""
+        """`step`: how the rows are stepped, `model.step` or a compiled form of it (CompiledBatchStep)."""
         if not fixed_size_state(model.config.mixer):
             raise ValueError(f"a {model.config.mixer} mixer has no fixed-size state to batch")
-        self.model, self.capacity, self.run_step = model, capacity, step or rows_apart(model.step)
+        self.model, self.capacity, self.run_step = model, capacity, step or model.step
         # Untouched memory: pages become resident only as rows are first used.
         self.buffers = [
             {name: t.new_empty((capacity, *t.shape[1:])) for name, t in layer.items() if t.dim()}
@@ -116,6 +116,12 @@ class Batch:
         return self.logits
 
 
+def eager_step(model: AFTLM, batch_invariant: bool) -> StepFunction:
+    """The step a batch runs without a compiled one: `model.step`, or each row apart where a row's logits
+    must not depend on the rows beside it."""
+    return rows_apart(model.step) if batch_invariant else model.step
+
+
 def rows_apart(step: StepFunction) -> StepFunction:
     """`step` for a batch as each row's own batch-1 step, one after another: each row's logits are then exactly
     those it gets alone. Slower than one step of them all: for the eager step, whose matrix kernels round a row
@@ -137,15 +143,17 @@ def rows_apart(step: StepFunction) -> StepFunction:
 
 class CompiledBatchStep:
     """The model's step compiled for 1 to `rows` rows (model.compile_step) under `placement`, as the batch runs
-    it; `model.step` rows apart where compiling fails (one line on stderr says why), and until the compile is
-    done.
+    it; the eager step (`eager_step`) where compiling fails (one line on stderr says why), and until the
+    compile is done. `batch_invariant`: the step whose rows do not depend on each other (compile_step).
 
     Made when a server starts, before it listens: it waits `wait` seconds at most for the compile (a second
     start loads it from the cache in about a second), then goes on eagerly while the compile finishes.
     """
 
-    def __init__(self, model: AFTLM, rows: int, placement: Placement, wait: float = COMPILE_WAIT):
-        self.model, self.step = model, rows_apart(model.step)
+    def __init__(
+        self, model: AFTLM, rows: int, placement: Placement, wait: float = COMPILE_WAIT, batch_invariant: bool = False
+    ):
+        self.model, self.step, self.batch_invariant = model, eager_step(model, batch_invariant), batch_invariant
         compiling = threading.Thread(target=self._compile, args=(rows, placement), name="aftgen-compile", daemon=True)
         compiling.start()
         compiling.join(wait)
@@ -154,7 +162,7 @@ class CompiledBatchStep:
 
     def _compile(self, rows: int, placement: Placement) -> None:
         with placement.autocast():  # the compiled step is specific to the autocast it runs under
-            step, note = compile_step(self.model, rows)
+            step, note = compile_step(self.model, rows, self.batch_invariant)
         if step == self.model.step:  # bound methods: equal, never the same object
             say(f"the batched step: {note}")
             return

@@ -24,7 +24,7 @@ from aftgen.device import Placement
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, StepFunction, tokens_read
 from aftgen.sampling import Context, PromptReader, ScoresNotFinite, TextStream, new_generator, next_tokens, opening
-from aftgen.serve.batch import Batch
+from aftgen.serve.batch import Batch, eager_step
 from aftgen.serve.cache import PrefixCache, state_bytes
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.sessions import SessionStore
@@ -72,9 +72,10 @@ class Engine:
         step: StepFunction | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        """`step`: how the batch is stepped (batch.CompiledBatchStep; None: `model.step`). `clock`: seconds, for
+        """`step`: how the batch is stepped (batch.CompiledBatchStep; None: batch.eager_step). `clock`: seconds, for
         deadlines and the text's hand-over."""
         self.model, self.tokenizer, self.options, self.placement = model, tokenizer, options, placement
+        step = step or eager_step(model, options.batch_invariant)
         self.batch = Batch(model, options.parallel, step)  # its rows are the Rows generating, in step order
         self.state_bytes = state_bytes(model.initial_state(1))
         self.cache = PrefixCache(options.cache_mb) if options.cache_mb > 0 else None

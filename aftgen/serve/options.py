@@ -11,6 +11,7 @@ from typing import Any
 from aftgen.device import DEVICE_HELP, DTYPE_HELP
 from aftgen.errors import AftgenError
 from aftgen.hub import MODEL_HELP
+from aftgen.layers import BATCH_INVARIANT_HELP
 from aftgen.options import HARDWARE_PANEL, POSITIVE, Range, check_ranges, option
 
 API_KEY = re.compile(r"[!-~]+")  # printable ASCII, no spaces: what an HTTP header carries as it was typed
@@ -76,6 +77,7 @@ class ServeOptions:
         "Compile the batched step at start (tens of seconds the first time, about one once cached).",
         flags=("--compile/--no-compile",),
     )
+    batch_invariant: bool = _hardware(False, BATCH_INVARIANT_HELP, flags=("--batch-invariant/--no-batch-invariant",))
     device: str = _hardware("auto", DEVICE_HELP)
     dtype: str = _hardware("auto", DTYPE_HELP)
     threads: int | None = _hardware(

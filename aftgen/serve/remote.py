@@ -460,7 +460,9 @@ def build_engine(options: ServeOptions) -> Engine:
             f"aftgen serve batches fixed-size states; a {model.config.mixer} model's state grows with its stream"
         )
     model.eval().lower_weights(where.weights)
-    step = CompiledBatchStep(model, options.parallel, where) if options.compile_step else None
+    step = None
+    if options.compile_step:
+        step = CompiledBatchStep(model, options.parallel, where, batch_invariant=options.batch_invariant)
     return Engine(model, tokenizer, options, where, step)
 
 
