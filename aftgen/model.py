@@ -17,7 +17,7 @@ import os
 import time
 import typing
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from aftgen.compiled_cache import CacheUnusable, cached_package
 from aftgen.device import Compiled, failure_line
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_open, cache_dir
-from aftgen.layers import Linear, linear, written_products
+from aftgen.layers import Linear, linear, token_order_sums, written_products
 from aftgen.mixers import MIXERS, MixerState, make_mixer
 
 ModelState = list[MixerState]  # one mixer state per layer
@@ -369,6 +369,9 @@ STEP_PACKAGE_CONFIG = {
 # a kernel) is shorter than waking a second thread: its kernels run on one, its products on torch's threads.
 STEP_THREADS = {"rows": {"cpp.dynamic_threads": True}, "one row": {"cpp.threads": 1}}
 WRITTEN_CONFIG = {"emulate_precision_casts": True}  # written-out products round to bf16 where the matrix kernels do
+# The kinds of step package: the matrix kernels' (a batch's); a single row's with its products written out, for
+# weights stored lower (faster than the bf16 kernels at one row); and the batch-invariant one (aftgen.layers).
+KERNELS, ONE_ROW_WRITTEN, BATCH_INVARIANT = "kernels", "one row written out", "batch-invariant"
 STEP_PACKAGE_FORMAT = 3  # bump when what a package holds or takes changes
 # The batch-invariant step (`compile_step(..., batch_invariant=True)`): one package serves 1 to MAX_ROWS rows
 # (aftgen.serve.options: --parallel at most), so every server and `aftgen sample --compile --batch-invariant`
@@ -428,6 +431,17 @@ class CompiledStep:
         return True
 
 
+def token_order_step(step: StepFunction) -> StepFunction:
+    """`step` with its window summed oldest token first (layers.token_order_sums), as the batch-invariant
+    package sums it: the batch-invariant step where nothing is compiled."""
+
+    def in_token_order(ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
+        with token_order_sums():
+            return step(ids, state)
+
+    return in_token_order
+
+
 def compile_step(model: AFTLM, max_batch: int = 1, batch_invariant: bool = False) -> tuple[StepFunction, str]:
     """`model.step` compiled for every batch size from 1 to `max_batch` (CompiledStep), or `model.step`
     itself where no compiler works; and a note of what happened. `batch_invariant`: a row's logits are the
@@ -453,29 +467,29 @@ def _compiled_step(model: AFTLM, max_batch: int, batch_invariant: bool) -> tuple
     weights stored lower than float32 (aftgen.layers) a second for a single row, its products written out
     (faster than the bf16 kernels at one row)."""
     if batch_invariant:
-        run, origin = _step_runner(model, MAX_ROWS, written=True)
+        run, origin = _step_runner(model, MAX_ROWS, BATCH_INVARIANT)
         return CompiledStep(model, run, run, max_batch), origin
-    rows, origin = _step_runner(model, max_batch, written=False)
+    rows, origin = _step_runner(model, max_batch, KERNELS)
     if max_batch == 1 or model.embed.weight.dtype == torch.float32:
         return CompiledStep(model, rows, rows, max_batch), origin
-    one_row, one_row_origin = _step_runner(model, 1, written=True)
+    one_row, one_row_origin = _step_runner(model, 1, ONE_ROW_WRITTEN)
     return CompiledStep(model, one_row, rows, max_batch), origin if origin == one_row_origin else ""
 
 
-def _step_runner(model: AFTLM, max_batch: int, written: bool) -> tuple[PackageRunner, str]:
+def _step_runner(model: AFTLM, max_batch: int, kind: str) -> tuple[PackageRunner, str]:
     """The runner of the model's step package for 1 to `max_batch` rows, and " (from the cache)" where the
     cache had the package. On a CPU it runs without Python's lock (aftgen.aoti)."""
-    path, origin = step_package(model, max_batch, written)
+    path, origin = step_package(model, max_batch, kind)
     runner = UnlockedRunner if model.embed.weight.device.type == "cpu" else loaded_runner
     return runner(path, step_constants(model)), origin
 
 
-def step_package(model: AFTLM, max_batch: int, written: bool = False) -> tuple[Path, str]:
-    """The path of the model's step package for 1 to `max_batch` rows (`written`: every product written out),
-    compiled now unless the cache has it intact (aftgen.compiled_cache); and " (from the cache)" where it did."""
+def step_package(model: AFTLM, max_batch: int, kind: str = KERNELS) -> tuple[Path, str]:
+    """The path of the model's step package of `kind` for 1 to `max_batch` rows, compiled now unless the cache
+    has it intact (aftgen.compiled_cache); and " (from the cache)" where it did."""
     use_persistent_compile_cache()
-    path = compiled_folder() / f"step-{_step_key(model, max_batch, written)}.pt2"
-    return cached_package(path, functools.partial(_package_step, model, max_batch, written))
+    path = compiled_folder() / f"step-{_step_key(model, max_batch, kind)}.pt2"
+    return cached_package(path, functools.partial(_package_step, model, max_batch, kind))
 
 
 def step_constants(model: AFTLM) -> dict[str, torch.Tensor]:
@@ -492,7 +506,7 @@ def loaded_runner(path: Path, constants: dict[str, torch.Tensor]) -> PackageRunn
     return package.loader.boxed_run
 
 
-def _package_step(model: AFTLM, max_batch: int, written: bool, path: Path) -> None:
+def _package_step(model: AFTLM, max_batch: int, kind: str, path: Path) -> None:
     """Export the step for 1 to `max_batch` rows (one graph with a dynamic batch size, or batch 1 alone) and
     compile it into a package at `path`, written atomically (another process may be loading it)."""
     example = min(max_batch, EXAMPLE_ROWS)
@@ -502,22 +516,29 @@ def _package_step(model: AFTLM, max_batch: int, written: bool, path: Path) -> No
         rows = torch.export.Dim("rows", min=1, max=max_batch)
         per_layer = [{name: {0: rows} if t.dim() else None for name, t in layer.items()} for layer in state]
         shapes = ({0: rows}, per_layer)
-    products = written_products() if written else contextlib.nullcontext()
-    with warnings.catch_warnings(), products, atomic_open(path) as handle:
+    with warnings.catch_warnings(), _numerics(kind), atomic_open(path) as handle:
         # torch's own pytree code trips torch's own deprecation (2.13): a warning no user can act on
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
         program = torch.export.export(_Step(model), (ids, state), dynamic_shapes=shapes)
-        configs = _package_configs(max_batch, written)
+        configs = _package_configs(max_batch, kind)
         torch._inductor.aoti_compile_and_package(program, package_path=handle, inductor_configs=configs)
 
 
-def _package_configs(max_batch: int, written: bool) -> dict:
+def _package_configs(max_batch: int, kind: str) -> dict:
     """The compiler's settings for a package of 1 to `max_batch` rows (a new dict: the compiler adds to it)."""
     threads = STEP_THREADS["one row" if max_batch == 1 else "rows"]
-    return STEP_PACKAGE_CONFIG | threads | (WRITTEN_CONFIG if written else {})
+    return STEP_PACKAGE_CONFIG | threads | (WRITTEN_CONFIG if kind != KERNELS else {})
 
 
-def _step_key(model: AFTLM, max_batch: int, written: bool) -> str:
+@contextlib.contextmanager
+def _numerics(kind: str) -> Iterator[None]:
+    """How a package of `kind` is traced: its products written out or not, its window summed in token order."""
+    products = written_products() if kind != KERNELS else contextlib.nullcontext()
+    with products, token_order_sums() if kind == BATCH_INVARIANT else contextlib.nullcontext():
+        yield
+
+
+def _step_key(model: AFTLM, max_batch: int, kind: str) -> str:
     """What a compiled step depends on: the architecture, the batch range, the step's code, torch, the
     machine's instruction set or GPU, autocast and the weights' dtype. Not the weights: the package is handed
     them when it is loaded."""
@@ -525,7 +546,7 @@ def _step_key(model: AFTLM, max_batch: int, written: bool) -> str:
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
     facts = [STEP_PACKAGE_FORMAT, model.config.to_dict(), max_batch, str(device), hardware, str(autocast),
-             str(model.embed.weight.dtype), torch.__version__, _package_configs(max_batch, written)]  # fmt: skip
+             str(model.embed.weight.dtype), torch.__version__, kind, _package_configs(max_batch, kind)]  # fmt: skip
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
     here = Path(__file__).parent
     for source in sorted([Path(__file__), here / "layers.py", *here.glob("mixers/*.py")]):  # the code the step runs

@@ -87,6 +87,7 @@ def _load_for_generation(model: str | None, load_state: Path | None, compile_ste
     """(model, tokenizer, context or None, step function), telling stderr about the compile."""
     from aftgen.api import load
     from aftgen.model import compile_step as compiled
+    from aftgen.model import token_order_step
     from aftgen.state import load_state as read_state
 
     lm, tokenizer = load(model, where.device)
@@ -96,6 +97,8 @@ def _load_for_generation(model: str | None, load_state: Path | None, compile_ste
     if compile_step:
         step, note = compiled(lm, batch_invariant=batch_invariant)
         print(f"step: {note}", file=sys.stderr)
+    if batch_invariant and step == lm.step:  # eager: summed as the batch-invariant package sums
+        step = token_order_step(lm.step)
     return lm, tokenizer, context, step
 
 

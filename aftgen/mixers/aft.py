@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from aftgen.layers import Linear
+from aftgen.layers import Linear, sums_in_token_order
 from aftgen.mixers.chunked import EMPTY_KEY, History, aft_chunked, aft_chunked_from
 from aftgen.mixers.protocol import MixerConfig, MixerState
 
@@ -167,11 +167,13 @@ def latest_output(q: torch.Tensor, tables: StepTables, state: MixerState, newest
     a, b, p = state["prefix_num"], state["prefix_den"], state["prefix_max"]  # (B, H, D)
     if not s:
         return torch.sigmoid(q).mul_(a).div_(b)
-    # The window oldest first, whatever slot the ring has reached: a row's sums then run in the order of its
-    # tokens, the same alone as in a batch, whose rows are rephased to the batch's position (aftgen.serve.batch).
-    oldest_first = (newest_slot + 1 + torch.arange(s, device=newest_slot.device)) % s
-    win_exp_k, win_v = (state[name].index_select(1, oldest_first) for name in ("window_exp_k", "window_v"))
-    bias_weight = tables.window_weight[:1]  # (1, H, s): each distance's exp(w), oldest first
+    win_exp_k, win_v = state["window_exp_k"], state["window_v"]  # (B, s, H, D), in the ring's slots
+    if sums_in_token_order():  # the window oldest first (aftgen.layers.token_order_sums)
+        oldest_first = (newest_slot + 1 + torch.arange(s, device=newest_slot.device)) % s
+        win_exp_k, win_v = win_exp_k.index_select(1, oldest_first), win_v.index_select(1, oldest_first)
+        bias_weight = tables.window_weight[:1]  # (1, H, s): each distance's exp(w), oldest first
+    else:
+        bias_weight = tables.window_weight.index_select(0, (s - 1) - newest_slot)  # (1, H, s): each slot's exp(w)
     weights = win_exp_k * bias_weight.permute(0, 2, 1)[..., None]  # (B, s, H, D): exp(k + w[distance])
     prefix_weight = p.exp()
     num = torch.linalg.vecdot(weights, win_v, dim=1).addcmul_(a, prefix_weight)

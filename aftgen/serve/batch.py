@@ -25,7 +25,7 @@ import torch
 
 from aftgen.device import Placement
 from aftgen.mixers import fixed_size_state
-from aftgen.model import AFTLM, ModelState, StepFunction, compile_step
+from aftgen.model import AFTLM, ModelState, StepFunction, compile_step, token_order_step
 
 # Seconds a starting server waits for its compiled step. A first compile of a new model can take longer on
 # two cores: the server then answers with the eager step meanwhile, and changes over when it is done.
@@ -119,13 +119,13 @@ class Batch:
 def eager_step(model: AFTLM, batch_invariant: bool) -> StepFunction:
     """The step a batch runs without a compiled one: `model.step`, or each row apart where a row's logits
     must not depend on the rows beside it."""
-    return rows_apart(model.step) if batch_invariant else model.step
+    return rows_apart(token_order_step(model.step)) if batch_invariant else model.step
 
 
 def rows_apart(step: StepFunction) -> StepFunction:
     """`step` for a batch as each row's own batch-1 step, one after another: each row's logits are then exactly
-    those it gets alone. Slower than one step of them all: for the eager step, whose matrix kernels round a row
-    differently with the number of rows."""
+    those it gets alone (with a `token_order_step`, whatever the batch's ring phase). Slower than one step of
+    them all: for the eager step, whose matrix kernels round a row differently with the number of rows."""
 
     def each_row(ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         logits = []
