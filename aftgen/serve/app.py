@@ -1,7 +1,8 @@
 """The HTTP side: OpenAI's routes on Starlette, over the engine (in a process of its own: aftgen.serve.remote).
 
 GET /health, GET /controls (the sampling fields' ranges and defaults), GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions, and GET / (the playground page, unless --no-webui). Every error, ours or
+POST /v1/chat/completions, vLLM's POST /tokenize, POST /detokenize and GET /tokenizer_info (at the root and
+under /v1), and GET / (the playground page, unless --no-webui). Every error, ours or
 Starlette's (404, 405), is answered in OpenAI's shape. Streams are server-sent events in OpenAI's
 chunk format, ending with `data: [DONE]`; a client that goes away stops its generation at once.
 """
@@ -22,6 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from aftgen.serve import tokenizing
 from aftgen.serve.engine import Engine
 from aftgen.serve.remote import EngineProcess, EngineUnavailable
 from aftgen.serve.replies import Reply
@@ -87,6 +89,12 @@ class Server:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
         ]
+        for root in ("", "/v1"):  # vLLM serves these at the root, where lm-eval's remote tokenizer looks
+            routes += [
+                Route(f"{root}/tokenize", self.tokenize, methods=["POST"]),
+                Route(f"{root}/detokenize", self.detokenize, methods=["POST"]),
+                Route(f"{root}/tokenizer_info", self.tokenizer_info),
+            ]
         if self.options.webui:
             routes.append(Route("/", self.playground))
         handlers = {HTTPException: self.http_error, Exception: self.internal_error}
@@ -181,6 +189,21 @@ class Server:
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._answer(request, lambda: self._generate(request, chat=True))
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._answer(request, lambda: self._tokenizer_answer(request, tokenizing.tokenize))
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._answer(request, lambda: self._tokenizer_answer(request, tokenizing.detokenize))
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        info = tokenizing.tokenizer_info(self.engine.tokenizer, self.options)
+        return await self._answer(request, lambda: JSONResponse(info))
+
+    async def _tokenizer_answer(self, request: Request, answer: Callable) -> JSONResponse:
+        """The body checked and answered on a worker thread: a 1 MB prompt takes a while to tokenize."""
+        body = await self._body(request)
+        return JSONResponse(await asyncio.to_thread(answer, body, self.engine.tokenizer, self.options, self.model_name))
 
     async def _body(self, request: Request) -> dict:
         """The JSON object in the body, refusing one over the size limit before reading it all.

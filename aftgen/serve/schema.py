@@ -306,22 +306,28 @@ def prompt_ids(values: dict, chat: bool, tokenizer: Tokenizer, limit: int) -> li
     return ids
 
 
-def parse_request(body: dict, chat: bool, options: ServeOptions, tokenizer: Tokenizer, model_name: str) -> Request:
-    """Check a /v1/completions (chat=False) or /v1/chat/completions body; raises APIError."""
+def checked_request(body: dict, fields: dict[str, Callable[[str, object], object]], model_name: str) -> dict:
+    """The checks every route makes of its body: Unicode text, each field (checked_fields), the served model."""
     where = unencodable(body)
     if where is not None:
         raise invalid(where, f"'{where}' holds a lone surrogate (such as \\ud800): it is not valid Unicode text")
+    values = checked_fields(body, fields)
+    if values.get("model", model_name) != model_name:
+        message = f"The model '{values['model']}' does not exist; this server serves '{model_name}'"
+        raise APIError(404, message, param="model", code="model_not_found")
+    return values
+
+
+def parse_request(body: dict, chat: bool, options: ServeOptions, tokenizer: Tokenizer, model_name: str) -> Request:
+    """Check a /v1/completions (chat=False) or /v1/chat/completions body; raises APIError."""
     if chat:
         fields = {"messages": messages, "max_completion_tokens": integer(Range(0, options.max_tokens))}
     else:
         fields = {"prompt": prompt_text}
-    values = checked_fields(body, sampling_fields(options) | fields)
+    values = checked_request(body, sampling_fields(options) | fields, model_name)
     required = "messages" if chat else "prompt"
     if required not in values:
         raise invalid(required, f"'{required}' is required")
-    if values.get("model", model_name) != model_name:
-        message = f"The model '{values['model']}' does not exist; this server serves '{model_name}'"
-        raise APIError(404, message, param="model", code="model_not_found")
     if "stream_options" in values and not values.get("stream"):
         raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
     if "max_tokens" in values and "max_completion_tokens" in values:
