@@ -17,6 +17,7 @@ from aftgen.corpus.sources import Document, read_document
 from aftgen.device import release_freed_memory
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM
+from aftgen.sampling import token_logprobs
 from aftgen.tokenizer import Tokenizer
 
 PIECE_TOKENS = 1 << 20  # token ids read from a (memory-mapped) file at a time
@@ -73,7 +74,7 @@ def score_stream(
             count = min(count, len(buffer) - 1)
             logits, state = model.prefill(buffer[None, :count], state)
             targets = buffer[1 : count + 1].to(logits.device)
-            yield F.cross_entropy(logits[0].float(), targets, reduction="none").cpu()
+            yield -token_logprobs(logits[0], targets).cpu()  # the server's echo reports the same figures
             cores.adapt()
             buffer, position = buffer[count:], position + count
 

@@ -198,6 +198,26 @@ def recent_tokens(
     return recent.to(device)
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each token's log-probability (T,) under its row of logits (T, V), float32: the model's distribution before
+    any sampling filter, as OpenAI and vLLM report it. `aftgen eval` sums these, the server echoes them."""
+    return chosen(logits.float().log_softmax(-1), tokens)
+
+
+def chosen(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return logprobs.gather(-1, tokens[:, None].to(logprobs.device))[:, 0]
+
+
+def token_scores(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[tuple[int, float, list]]:
+    """Each token's (id, log-probability, the `top` likeliest tokens' [(id, log-probability)], likeliest first)
+    under its row of logits (T, V): token_logprobs' figures."""
+    logprobs = logits.float().log_softmax(-1)
+    best = logprobs.topk(min(top, logprobs.shape[-1]), -1)
+    rows = zip(best.indices.tolist(), best.values.tolist(), strict=True)
+    alternatives = [list(zip(ids, values, strict=True)) for ids, values in rows]
+    return list(zip(tokens.tolist(), chosen(logprobs, tokens).tolist(), alternatives, strict=True))
+
+
 class ScoresNotFinite(AftgenError):
     """Some rows' logits are NaN or +inf (or all -inf): no token can be drawn from them. `rows`: which."""
 
@@ -341,13 +361,17 @@ class PromptReader:
         context: Context | None = None,
         seed: int | None = None,
         prefill: PrefillFunction | None = None,
+        score: int | None = None,
     ):
+        """`score`: keep each id's score (token_scores, with this many alternatives) in `scores`, reading every
+        position's logits (slower: only where asked); a fresh context's first id, which nothing predicts, has none."""
         if context is None:
             context = Context(model.initial_state(1), torch.zeros(1, model.config.vocab_size), new_generator(seed))
         elif seed is not None:
             context.generator.manual_seed(seed)
         self.model, self.ids, self.context, self.prefill = model, ids, context, prefill
-        self.unread = len(ids)
+        self.unread, self.score = len(ids), score
+        self.scores: list[tuple[int, float | None, list]] = []
 
     @property
     def done(self) -> bool:
@@ -365,10 +389,21 @@ class PromptReader:
         for offset in range(0, ids.shape[1], PROMPT_CHUNK):
             chunk = ids[:, offset : offset + PROMPT_CHUNK]
             read = self.prefill if self.prefill is not None and chunk.shape[1] == PROMPT_CHUNK else self.model.prefill
-            logits, self.context.state = read(chunk, self.context.state, last_only=True)
+            logits, self.context.state = read(chunk, self.context.state, last_only=self.score is None)
+            if self.score is not None:
+                self._keep_scores(chunk[0], logits[0])
             self.context.logits = logits[:, -1].float()
         self.unread -= ids.shape[1]
         return ids.shape[1]
+
+    def _keep_scores(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
+        """The scores of `ids`, read now, whose logits (T, V) predict each one's next id."""
+        if self.scores:  # the last chunk's logits predict this one's first id
+            predicting = torch.cat([self.context.logits.to(logits.dtype), logits[:-1]])
+        else:
+            predicting, ids = logits[:-1], ids[1:]
+            self.scores.append((int(self.ids[0]), None, []))
+        self.scores += token_scores(predicting, ids, self.score)
 
     def finish(self) -> Context:
         """The context once every id is read: its last ids remembered for the repeat penalty, and a
@@ -380,8 +415,9 @@ class PromptReader:
 
 
 def opening(tokenizer: Tokenizer, ids: list[int], context: Context | None) -> list[int]:
-    """What a prompt's ids read into `context`: BOS first when there is none yet (a fresh context)."""
-    return ids if context is not None else [tokenizer.bos_id, *ids]
+    """What a prompt's ids read into `context`: BOS first when there is none yet (a fresh context), unless the
+    ids begin with it (a client that sends token ids may give it)."""
+    return ids if context is not None or ids[:1] == [tokenizer.bos_id] else [tokenizer.bos_id, *ids]
 
 
 @torch.inference_mode()
@@ -412,12 +448,12 @@ class TextStream:
         self.context, self.options = context, options
         self.decoder, self.stops = tokenizer.stream_decoder(), StopFilter(options.stop)
         self.produced = 0
+        self.decoded = 0  # characters decoded so far, stop strings or not: where the next token's text starts
 
     def begin(self) -> str:
         """Text of a character an earlier run left unfinished (context.pending), now that it goes on."""
-        carried = self.stops.feed(self.decoder.feed_bytes(self.context.pending))
-        self.context.pending = b""
-        return carried
+        self.context.pending, pending = b"", self.context.pending
+        return self._shown(self.decoder.feed_bytes(pending))
 
     @property
     def stopped(self) -> bool:
@@ -436,7 +472,11 @@ class TextStream:
         self.produced += 1
         self.context.logits = logits
         self.context.remember((token,))
-        return self.stops.feed(self.decoder.feed(token))
+        return self._shown(self.decoder.feed(token))
+
+    def _shown(self, decoded: str) -> str:
+        self.decoded += len(decoded)
+        return self.stops.feed(decoded)
 
     def end(self, final: bool = True) -> str:
         """The text held back at the end. With final=False the run is to be continued later: a character

@@ -98,6 +98,19 @@ class Tokenizer:
             return b""
         return self.sp.id_to_piece(token).replace(_META, " ").encode("utf-8")
 
+    def token_bytes(self, token: int) -> bytes:
+        """The UTF-8 bytes a token stands for (a byte-fallback piece: one byte, maybe part of a character)."""
+        return self._piece_bytes[token]
+
+    def token_text(self, token: int) -> str:
+        """A token as OpenAI-compatible servers name it in log-probabilities: its text, or where its bytes are not
+        UTF-8 alone (a byte-fallback piece, part of a character) "bytes:" and their escapes, as vLLM writes them."""
+        data = self._piece_bytes[token]
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in data)
+
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)
 

@@ -418,7 +418,7 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"session": "../etc"}, "session"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"prompt": "KING " * 400}, "prompt"),
     ],

@@ -245,7 +245,8 @@ class Server:
         parsed = parse_request(body, chat, self.options, self.engine.tokenizer, self.model_name)
         inbox: asyncio.Queue = asyncio.Queue()
         ticket = self.engine.submit(parsed.work, inbox)
-        reply = Reply(chat, self.model_name)
+        scored = parsed.work.logprobs is not None
+        reply = Reply(chat, self.model_name, self.engine.tokenizer if scored else None)
         watcher = asyncio.create_task(self._watch(request, ticket))
         try:
             first = await self._until_started(ticket, reply, stop_early=parsed.stream)
@@ -294,7 +295,7 @@ class Server:
                     return
                 reply.take(event)
                 if isinstance(event, Text):
-                    yield sse(reply.chunk(event.index, event.text))
+                    yield sse(reply.chunk(event.index, event.text, scores=event.scores))
                 elif isinstance(event, Done):
                     if include_usage:
                         yield sse(reply.usage_chunk())

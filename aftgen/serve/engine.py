@@ -23,12 +23,21 @@ from aftgen import cores
 from aftgen.device import Placement
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, StepFunction, tokens_read
-from aftgen.sampling import Context, PromptReader, ScoresNotFinite, TextStream, new_generator, next_tokens, opening
+from aftgen.sampling import (
+    Context,
+    PromptReader,
+    ScoresNotFinite,
+    TextStream,
+    new_generator,
+    next_tokens,
+    opening,
+    token_scores,
+)
 from aftgen.serve.batch import Batch, eager_step
 from aftgen.serve.cache import PrefixCache, state_bytes
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.sessions import SessionStore
-from aftgen.serve.work import Done, Event, Failed, Finished, Started, Text, Ticket, Work, merged_texts
+from aftgen.serve.work import Done, Event, Failed, Finished, Score, Started, Text, Ticket, Work, merged_texts
 from aftgen.tokenizer import Tokenizer
 
 OVERLOADED = "every generation slot is taken and the queue is full; try again shortly"
@@ -58,6 +67,9 @@ class Row:
     stream: TextStream
     prompt: list[int] = field(default_factory=list)  # kept to cache the conversation after a chat reply
     parts: list[str] = field(default_factory=list)
+    echoed: int = 0  # characters of the prompt's text echoed before the generated text
+    shown: int = 0  # characters of the generated text handed on
+    held: deque[Score] = field(default_factory=deque)  # scores of tokens whose text is not handed on yet
 
 
 class Engine:
@@ -242,8 +254,11 @@ class Engine:
         """Where the request's prompt starts reading: a session's context, a cached prefix, or nothing."""
         work = ticket.work
         if work.session is None:
-            prompt = PromptReader(self.model, opening(self.tokenizer, work.prompt, None), seed=work.options.seed)
-            return Reader(ticket, prompt, cached=self._from_cache(prompt))
+            score = work.logprobs if work.echo else None  # the echo's scores need every position's logits
+            prompt = PromptReader(
+                self.model, opening(self.tokenizer, work.prompt, None), None, work.options.seed, score=score
+            )
+            return Reader(ticket, prompt, cached=0 if score is not None else self._from_cache(prompt))
         if work.session in self.busy_sessions:
             message = f"session '{work.session}' is busy with another request; send the next one when it has finished"
             return Failed(409, message, "invalid_request_error", "session_busy")
@@ -292,10 +307,13 @@ class Engine:
             contexts += [context.fork(new_generator(None if seed is None else seed + i)) for i in range(1, work.n)]
         ticket.unfinished = len(contexts)
         remember = work.reply_suffix is not None and work.session is None
+        echo = self._echo(reader) if work.echo else None
         joining = []
         for index, context in enumerate(contexts):
             stream = TextStream(self.tokenizer, context, work.options)
-            row = Row(ticket, index, stream, ids if remember else [])
+            row = Row(ticket, index, stream, ids if remember else [], echoed=len(echo.text) if echo else 0)
+            if echo:
+                self._emit(ticket, Text(index, echo.text, echo.scores))
             self._text(row, stream.begin())
             if stream.done:  # max_tokens 0: only the prompt was wanted
                 self._end(row)
@@ -305,16 +323,40 @@ class Engine:
         for row, _, _ in joining:
             row.stream.context.state = []  # the batch holds it now; a session gets it back when it ends
 
+    def _echo(self, reader: Reader) -> Text:
+        """The prompt as the client gave it: its text and, with logprobs, its tokens' scores (a BOS read first has
+        none). Index 0: each choice sends it as its own."""
+        given = reader.ticket.work.prompt
+        text, starts = text_starts(self.tokenizer, given)
+        if reader.prompt.score is None:
+            return Text(0, text)
+        scores = reader.prompt.scores[len(reader.prompt.ids) - len(given) :]
+        return Text(0, text, [(start, *score) for start, score in zip(starts, scores, strict=True)])
+
     def _step(self) -> None:
         """One batched step: every row's next token in, every row's logits out."""
         tokens = self._choose()
         rows = list(self.batch.rows)  # less those whose requests failed in _choose
         if not rows:
             return
+        scores = self._scores(rows, tokens)
         logits = self.batch.step(tokens)
-        for row, token, row_logits in zip(rows, tokens.tolist(), logits.split(1), strict=True):
+        for row, token, row_logits, score in zip(rows, tokens.tolist(), logits.split(1), scores, strict=True):
+            if score is not None:  # where the token's text starts, then the score, as many alternatives as asked
+                _, logprob, top = score
+                row.held.append((row.echoed + row.stream.decoded, token, logprob, top[: row.ticket.work.logprobs]))
             self._text(row, row.stream.accept(token, row_logits))
         self._finish([row for row in rows if row.stream.done])
+
+    def _scores(self, rows: list[Row], tokens: torch.Tensor) -> list[tuple | None]:
+        """The drawn tokens' scores for the rows whose requests ask for them, in one pass (None for the others)."""
+        wanting = [i for i, row in enumerate(rows) if row.ticket.work.logprobs is not None]
+        if not wanting:
+            return [None] * len(rows)
+        top = max(rows[i].ticket.work.logprobs for i in wanting)
+        logits = torch.cat([rows[i].stream.context.logits for i in wanting])
+        scores = dict(zip(wanting, token_scores(logits, tokens[wanting], top), strict=True))
+        return [scores.get(i) for i in range(len(rows))]
 
     def _choose(self) -> torch.Tensor:
         """Every row's next token (B,), in the batch's order, drawn in one pass (each row from its own options,
@@ -339,9 +381,14 @@ class Engine:
         self.batch.remove([row for row in self.batch.rows if row.ticket is ticket])
         self.busy_sessions.discard(ticket.work.session)
 
-    def _text(self, row: Row, text: str) -> None:
-        if text:
-            self._emit(row.ticket, Text(row.index, text))
+    def _text(self, row: Row, text: str, rest: bool = False) -> None:
+        """Hand on a row's text with the scores of the tokens whose text it begins (rest: every score held)."""
+        row.shown += len(text)
+        scores = []
+        while row.held and (rest or row.held[0][0] - row.echoed < row.shown):
+            scores.append(row.held.popleft())
+        if text or scores:
+            self._emit(row.ticket, Text(row.index, text, None if row.ticket.work.logprobs is None else scores))
             if row.prompt:
                 row.parts.append(text)
 
@@ -370,7 +417,7 @@ class Engine:
                 self._emit(ticket, failed)
                 return
         else:
-            self._text(row, stream.end(final=True))
+            self._text(row, stream.end(final=True), rest=not stream.stops.stopped)  # a stop string's tokens: none
         self._emit(ticket, Finished(row.index, "stop" if stream.stopped else "length", stream.produced))
         if row.prompt and self.cache is not None:
             self._remember_reply(row)
@@ -401,6 +448,16 @@ class Engine:
         self._from_cache(prompt)
         if prompt.read():
             self.cache.put(prompt.ids, prompt.context.state, prompt.context.logits)
+
+
+def text_starts(tokenizer: Tokenizer, ids: list[int]) -> tuple[str, list[int]]:
+    """The text of `ids`, and where each one's text starts in it."""
+    decoder, parts, starts, length = tokenizer.stream_decoder(), [], [], 0
+    for token in ids:
+        starts.append(length)
+        parts.append(decoder.feed(token))
+        length += len(parts[-1])
+    return "".join(parts) + decoder.flush(), starts
 
 
 def not_finite(row: Row) -> Failed:

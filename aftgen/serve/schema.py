@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aftgen.chat import REPLY_END, ROLES, message_text
-from aftgen.sampling import API_DEFAULTS, CONTROLS, SEEDS, Range, SamplingOptions
+from aftgen.sampling import API_DEFAULTS, CONTROLS, SEEDS, Range, SamplingOptions, opening
 from aftgen.serve.conversation import chat_ids
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.sessions import valid_name
@@ -21,6 +21,7 @@ from aftgen.serve.work import Work
 from aftgen.tokenizer import Tokenizer
 
 MAX_STOPS, MAX_STOP_CHARS, MAX_MESSAGES = 4, 256, 4096
+LOGPROBS = Range(0, 20)  # likeliest alternatives a token's score may come with, as OpenAI allows
 
 
 class APIError(Exception):
@@ -114,9 +115,8 @@ NEUTRAL = {
     "frequency_penalty": (0, 0.0),
     "presence_penalty": (0, 0.0),
     "logit_bias": ({},),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
-    "echo": (False,),
+    "top_logprobs": (0,),  # completions: its `logprobs` says how many
+    "echo": (False,),  # chat: OpenAI's has none
     "best_of": (1,),
     "suffix": ("",),
     "response_format": ({"type": "text"},),
@@ -223,13 +223,21 @@ def checked_fields(body: dict, fields: dict[str, Callable[[str, object], object]
     return values
 
 
-def prompt_text(name: str, value: object) -> str:
-    """A completion's prompt: a string (or a list holding one: several prompts take several requests)."""
-    if isinstance(value, list) and len(value) == 1:
+def prompt_field(name: str, value: object) -> str | list[int]:
+    """A completion's prompt: a string or a list of token ids (or a list holding one of them: several prompts
+    take several requests). prompt_ids checks the ids against the vocabulary."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
-    if not isinstance(value, str):
-        raise invalid(name, f"'{name}' must be a string (one prompt per request; concurrent requests are batched)")
-    return value
+    if isinstance(value, str) or (isinstance(value, list) and all(_is_integer(token) for token in value)):
+        return value
+    message = (
+        f"'{name}' must be a string or a list of token ids (one prompt per request; concurrent requests are batched)"
+    )
+    raise invalid(name, message)
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def content_text(name: str, value: object) -> str:
@@ -294,16 +302,43 @@ def prompt_ids(values: dict, chat: bool, tokenizer: Tokenizer, limit: int) -> li
     """The prompt's token ids, refusing one over `limit` tokens (BOS included); one whose bytes alone
     show it cannot fit is refused before it is tokenized (no token stands for more than `longest_piece`)."""
     param = "messages" if chat else "prompt"
+    if not chat and isinstance(values["prompt"], list):
+        return given_ids(values["prompt"], tokenizer, limit)
     texts = [message_text(role, content) for role, content in values["messages"]] if chat else [values["prompt"]]
     at_least = sum(-(-len(text.encode("utf-8")) // tokenizer.longest_piece) for text in texts) + 1  # + BOS
     if at_least > limit:
         message = f"the prompt is at least {at_least} tokens, more than this server's limit of {limit}"
         raise APIError(400, message, param=param, code="context_length_exceeded")
     ids = chat_ids(tokenizer, values["messages"]) if chat else tokenizer.encode(values["prompt"])
-    if len(ids) + 1 > limit:
-        message = f"the prompt is {len(ids) + 1} tokens, more than this server's limit of {limit}"
+    return within_limit(param, ids, tokenizer, limit)
+
+
+def within_limit(param: str, ids: list[int], tokenizer: Tokenizer, limit: int) -> list[int]:
+    """`ids`, refused where they are more than `limit` tokens as read (BOS included)."""
+    count = len(opening(tokenizer, ids, None))
+    if count > limit:
+        message = f"the prompt is {count} tokens, more than this server's limit of {limit}"
         raise APIError(400, message, param=param, code="context_length_exceeded")
     return ids
+
+
+def given_ids(ids: list[int], tokenizer: Tokenizer, limit: int) -> list[int]:
+    """A prompt given as token ids, refusing one outside the vocabulary or over `limit` tokens."""
+    vocabulary = Range(0, tokenizer.vocab_size, open_high=True)
+    outside = next((i for i, token in enumerate(ids) if token not in vocabulary), None)
+    if outside is not None:
+        raise invalid("prompt", f"'prompt[{outside}]' must be a token id {vocabulary}, got {ids[outside]}")
+    return within_limit("prompt", ids, tokenizer, limit)
+
+
+def logprobs_asked(values: dict, chat: bool) -> int | None:
+    """How many alternatives each token's score comes with (None: no scores): completions' `logprobs: N`, chat's
+    `logprobs: true` with `top_logprobs: N`."""
+    if not chat:
+        return values.get("logprobs")
+    if values.get("top_logprobs", 0) > 0 and not values.get("logprobs"):
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return values.get("top_logprobs", 0) if values.get("logprobs") else None
 
 
 def checked_request(body: dict, fields: dict[str, Callable[[str, object], object]], model_name: str) -> dict:
@@ -321,9 +356,14 @@ def checked_request(body: dict, fields: dict[str, Callable[[str, object], object
 def parse_request(body: dict, chat: bool, options: ServeOptions, tokenizer: Tokenizer, model_name: str) -> Request:
     """Check a /v1/completions (chat=False) or /v1/chat/completions body; raises APIError."""
     if chat:
-        fields = {"messages": messages, "max_completion_tokens": integer(Range(0, options.max_tokens))}
+        fields = {
+            "messages": messages,
+            "max_completion_tokens": integer(Range(0, options.max_tokens)),
+            "logprobs": boolean,
+            "top_logprobs": integer(LOGPROBS),
+        }
     else:
-        fields = {"prompt": prompt_text}
+        fields = {"prompt": prompt_field, "logprobs": integer(LOGPROBS), "echo": boolean}
     values = checked_request(body, sampling_fields(options) | fields, model_name)
     required = "messages" if chat else "prompt"
     if required not in values:
@@ -334,6 +374,8 @@ def parse_request(body: dict, chat: bool, options: ServeOptions, tokenizer: Toke
         raise invalid("max_tokens", "give 'max_tokens' or 'max_completion_tokens', not both")
     if values.get("session") is not None and values.get("n", 1) > 1:
         raise invalid("n", "a session continues one conversation: 'n' must be 1 with 'session'")
+    if values.get("echo") and values.get("session") is not None:
+        raise invalid("echo", "'echo' scores a prompt from its start: a session continues one, so not with 'session'")
     ids = prompt_ids(values, chat, tokenizer, options.max_prompt_tokens)
     given = {name: values[name] for name in CONTROLS if name in values}
     sampling = SamplingOptions(
@@ -342,5 +384,6 @@ def parse_request(body: dict, chat: bool, options: ServeOptions, tokenizer: Toke
         stop=values.get("stop", (REPLY_END,) if chat else ()),
         **API_DEFAULTS | given,
     )
-    work = Work(ids, sampling, values.get("n", 1), values.get("session"), REPLY_END if chat else None)
+    scores = {"logprobs": logprobs_asked(values, chat), "echo": values.get("echo", False)}
+    work = Work(ids, sampling, values.get("n", 1), values.get("session"), REPLY_END if chat else None, **scores)
     return Request(work, chat, values.get("stream", False), values.get("stream_options", False))

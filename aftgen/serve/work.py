@@ -20,6 +20,8 @@ class Work:
     n: int = 1  # continuations of the prompt (choice i draws from seed + i when seeded)
     session: str | None = None  # a named session: the prompt continues its context, which is kept after
     reply_suffix: str | None = None  # chat: keep the state after `prompt + reply + suffix` in the prefix cache
+    logprobs: int | None = None  # score each token, with this many likeliest alternatives (None: no scores)
+    echo: bool = False  # the prompt's text (and with `logprobs`, its tokens' scores) first in each choice
 
 
 @dataclass
@@ -30,10 +32,17 @@ class Started:
     cached_tokens: int  # of prompt_tokens, those the prefix cache had already read
 
 
+# A token's score: where its text starts in the choice's text, its id, its log-probability (None: nothing came
+# before it to predict it) and the likeliest tokens' [id, log-probability], likeliest first. Lists, not objects:
+# the engine's process sends them as JSON.
+Score = tuple[int, int, float | None, list[tuple[int, float]]]
+
+
 @dataclass
 class Text:
     index: int  # which choice
     text: str
+    scores: list[Score] | None = None  # with `logprobs`: the tokens whose text this text begins
 
 
 @dataclass
@@ -82,7 +91,10 @@ def merged_texts(events: list[tuple[Ticket, Event]]) -> list[tuple[Ticket, Event
         if isinstance(event, Text):
             at = open_text.get((ticket, event.index))
             if at is not None:
-                out[at] = (ticket, Text(event.index, out[at][1].text + event.text))
+                earlier = out[at][1]
+                both = (earlier.scores, event.scores)
+                scores = None if both == (None, None) else [score for part in both for score in part or ()]
+                out[at] = (ticket, Text(event.index, earlier.text + event.text, scores))
                 continue
             open_text[ticket, event.index] = len(out)
         else:

@@ -1,0 +1,136 @@
+"""Log-probabilities from `aftgen serve`: completions' `logprobs` and `echo`, chat's `logprobs` and `top_logprobs`,
+streamed and not, in OpenAI's shapes (parsed by the official client), and echo's figures against `aftgen eval`'s."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+from conftest import DEVICE, make_corpus
+from test_serve import assert_openai_error, client, post, running
+
+from aftgen.api import load
+from aftgen.evaluate import evaluate_text
+
+HELD_OUT = make_corpus(1500, seed=48)  # text the tiny model never trained on; several prompt chunks long
+
+
+@pytest.fixture(scope="module")
+def url(tiny_run) -> Iterator[str]:
+    with running(tiny_run, max_prompt_tokens=4096, max_body_bytes=1 << 16) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_run):
+    return load(tiny_run, DEVICE)[1]
+
+
+def assert_alternatives_sorted_and_at_most(alternatives: list[float], most: int) -> None:
+    assert 0 < len(alternatives) <= most and alternatives == sorted(alternatives, reverse=True)
+
+
+def completion(url: str, **fields) -> dict:
+    response = post(url, "/v1/completions", json={"prompt": "KING:", "temperature": 0} | fields)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def test_completions_logprobs_and_echo_through_the_openai_client(url, tiny_run):
+    api = client(url)
+    asked = dict(model=tiny_run.name, prompt="KING:", max_tokens=12, temperature=0, logprobs=3, echo=True)
+    whole = api.completions.create(**asked).choices[0]
+    assert whole.text.startswith("KING:")
+    scores = whole.logprobs
+    assert len(scores.tokens) == len(scores.token_logprobs) == len(scores.top_logprobs) == len(scores.text_offset)
+    assert "".join(scores.tokens) == whole.text  # plain text: no byte-fallback piece in this model's reply
+    assert all(whole.text[at:].startswith(token) for token, at in zip(scores.tokens, scores.text_offset, strict=True))
+    assert None not in scores.token_logprobs  # the prompt's first token is scored after the BOS read before it
+    for logprob, top in zip(scores.token_logprobs, scores.top_logprobs, strict=True):
+        assert_alternatives_sorted_and_at_most(list(top.values()), 3)
+        assert logprob <= max(top.values()) + 1e-6
+    prompt_tokens = len([offset for offset in scores.text_offset if offset < len("KING:")])
+    drawn = list(zip(scores.tokens, scores.token_logprobs, scores.top_logprobs, strict=True))[prompt_tokens:]
+    for token, logprob, top in drawn:
+        assert next(iter(top)) == token and top[token] == logprob  # greedy: each drawn token is the likeliest
+
+    chunks = list(api.completions.create(**asked, stream=True))
+    streamed = [chunk.choices[0].logprobs for chunk in chunks if chunk.choices[0].logprobs is not None]
+    assert "".join(chunk.choices[0].text for chunk in chunks) == whole.text
+    assert [token for part in streamed for token in part.tokens] == scores.tokens
+    assert [offset for part in streamed for offset in part.text_offset] == scores.text_offset
+    assert [value for part in streamed for value in part.token_logprobs] == pytest.approx(scores.token_logprobs)
+
+    plain = api.completions.create(**asked | dict(logprobs=None, echo=False)).choices[0]
+    assert plain.logprobs is None and whole.text == "KING:" + plain.text
+
+
+def test_a_stop_strings_tokens_are_not_scored(url):
+    sampled = dict(max_tokens=40, logprobs=0, temperature=1.0, seed=1)
+    whole = completion(url, **sampled)
+    stop = whole["text"][20:23]
+    stopped = completion(url, **sampled, stop=[stop])
+    assert stopped["text"] == whole["text"][: whole["text"].index(stop)] != ""
+    scored = zip(whole["logprobs"]["tokens"], whole["logprobs"]["text_offset"], strict=True)
+    shown = [token for token, offset in scored if offset < len(stopped["text"])]
+    assert stopped["logprobs"]["tokens"] == shown  # those whose text begins before the stop string
+    assert stopped["logprobs"]["top_logprobs"][0] == {}  # logprobs: 0, the drawn token's score alone
+
+
+def test_chat_logprobs_and_top_logprobs_through_the_openai_client(url, tiny_run):
+    api = client(url)
+    asked = dict(model=tiny_run.name, messages=[{"role": "user", "content": "KING:"}], max_tokens=12, temperature=0)
+    whole = api.chat.completions.create(**asked, logprobs=True, top_logprobs=2).choices[0]
+    content = whole.logprobs.content
+    assert "".join(entry.token for entry in content) == whole.message.content
+    for entry in content:
+        assert bytes(entry.bytes) == entry.token.encode("utf-8")
+        assert_alternatives_sorted_and_at_most([top.logprob for top in entry.top_logprobs], 2)
+        assert (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob) == (entry.token, entry.logprob)
+
+    chunks = list(api.chat.completions.create(**asked, logprobs=True, top_logprobs=2, stream=True))
+    streamed = [entry for chunk in chunks if chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert [(entry.token, entry.bytes) for entry in streamed] == [(entry.token, entry.bytes) for entry in content]
+    assert api.chat.completions.create(**asked).choices[0].logprobs is None
+
+
+def test_echo_with_max_tokens_0_scores_a_text_as_aftgen_eval_does(url, tiny_run, tokenizer):
+    choice = completion(url, prompt=HELD_OUT, max_tokens=0, echo=True, logprobs=1)
+    assert choice["text"] == HELD_OUT and choice["finish_reason"] == "length"
+    logprobs = choice["logprobs"]["token_logprobs"]
+    evaluated = evaluate_text(load(tiny_run, DEVICE)[0], tokenizer, HELD_OUT)
+    assert len(logprobs) == evaluated.tokens == len(tokenizer.encode(HELD_OUT)) > 2 * 256  # several chunks
+    assert -math.fsum(logprobs) == pytest.approx(evaluated.nats_per_token * evaluated.tokens, rel=1e-6)
+
+
+def test_a_prompt_of_token_ids_scores_as_its_text(url, tokenizer):
+    text = HELD_OUT[:300]
+    ids = tokenizer.encode(text)
+    as_text = completion(url, prompt=text, max_tokens=5, echo=True, logprobs=2)
+    for given in (ids, [ids]):  # lm-evaluation-harness sends a list holding one list of ids
+        assert completion(url, prompt=given, max_tokens=5, echo=True, logprobs=2) == as_text
+    with_bos = completion(url, prompt=[tokenizer.bos_id, *ids], max_tokens=5, echo=True, logprobs=2)["logprobs"]
+    assert with_bos["token_logprobs"][0] is None and with_bos["top_logprobs"][0] is None  # nothing predicts it
+    assert with_bos["token_logprobs"][1:] == as_text["logprobs"]["token_logprobs"]  # and no second BOS is read
+
+
+@pytest.mark.parametrize(
+    "path, fields, param",
+    [
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"logprobs": -1}, "logprobs"),
+        ("/v1/completions", {"logprobs": 2.5}, "logprobs"),
+        ("/v1/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/completions", {"echo": "yes"}, "echo"),
+        ("/v1/completions", {"echo": True, "session": "s"}, "echo"),
+        ("/v1/completions", {"prompt": [1, 10**9]}, "prompt"),
+        ("/v1/completions", {"prompt": [1, "x"]}, "prompt"),
+        ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ],
+)
+def test_bad_logprobs_fields_get_400_naming_the_field(url, path, fields, param):
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    assert_openai_error(post(url, path, json=body | fields), 400, param)
