@@ -47,7 +47,9 @@ class ServeOptions:
     host: str = _server("127.0.0.1", "Address to listen on (127.0.0.1: this machine only).")
     port: int = _server(8000, "0: any free port (the one chosen is printed).", Range(0, 65535))
     api_key: str | None = _server(
-        None, "Require 'Authorization: Bearer KEY' on every /v1 route; past that: 401.", envvar="AFTGEN_API_KEY"
+        None,
+        "Require 'Authorization: Bearer KEY' on every /v1 route and the tokenizer's; past that: 401.",
+        envvar="AFTGEN_API_KEY",
     )
     webui: bool = _server(True, "The playground page at / (chat, completion, sampling settings, streaming).")
     sessions_dir: Path | None = _server(None, "Save named sessions here (aftgen state files; default: memory only).")
