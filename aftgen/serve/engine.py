@@ -354,8 +354,12 @@ class Engine:
         if not wanting:
             return [None] * len(rows)
         top = max(rows[i].ticket.work.logprobs for i in wanting)
-        logits = torch.cat([rows[i].stream.context.logits for i in wanting])
-        scores = dict(zip(wanting, token_scores(logits, tokens[wanting], top), strict=True))
+        logits = self.batch.logits  # the rows' own, as they drew from them (None: rows joined or left since)
+        logits = torch.cat([row.stream.context.logits for row in rows]) if logits is None else logits
+        if len(wanting) < len(rows):
+            index = torch.tensor(wanting, device=logits.device)
+            logits, tokens = logits[index], tokens[index]
+        scores = dict(zip(wanting, token_scores(logits, tokens, top), strict=True))
         return [scores.get(i) for i in range(len(rows))]
 
     def _choose(self) -> torch.Tensor:
