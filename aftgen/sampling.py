@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aftgen import cores
+from aftgen.constraints import Constraint, Matcher, masked
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, ModelState, PrefillFunction, StepFunction, clone_state
 from aftgen.options import Range, flag
@@ -141,6 +142,7 @@ class SamplingOptions:
     min_p: float = CONTROLS["min_p"].default
     repeat_penalty: float = CONTROLS["repeat_penalty"].default
     repeat_last_n: int = CONTROLS["repeat_last_n"].default
+    constraint: Constraint | None = None  # what the text must be: a JSON schema, a regex, ... (aftgen.constraints)
 
     def check(self) -> None:
         """Refuse values outside their meaning, before any work."""
@@ -447,6 +449,7 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer, context: Context, options: SamplingOptions):
         self.context, self.options = context, options
         self.decoder, self.stops = tokenizer.stream_decoder(), StopFilter(options.stop)
+        self.matcher = None if options.constraint is None else Matcher(options.constraint, tokenizer)
         self.produced = 0
         self.decoded = 0  # characters decoded so far, stop strings or not: where the next token's text starts
 
@@ -457,12 +460,13 @@ class TextStream:
 
     @property
     def stopped(self) -> bool:
-        return self.stops.stopped
+        """Ended before the token limit: at a stop string, or with its constraint's text complete."""
+        return self.stops.stopped or (self.matcher is not None and self.matcher.finished)
 
     @property
     def done(self) -> bool:
         limit = self.options.max_new_tokens
-        return self.stops.stopped or 0 <= limit <= self.produced
+        return self.stopped or 0 <= limit <= self.produced
 
     def next_token(self) -> torch.Tensor:
         return next_tokens([self])
@@ -472,6 +476,8 @@ class TextStream:
         self.produced += 1
         self.context.logits = logits
         self.context.remember((token,))
+        if self.matcher is not None:
+            self.matcher.advance(token)
         return self._shown(self.decoder.feed(token))
 
     def _shown(self, decoded: str) -> str:
@@ -508,8 +514,9 @@ def next_tokens(streams: Sequence[TextStream], logits: torch.Tensor | None = Non
     tokens and generator (see choose): ScoresNotFinite names streams by their index. `logits`: the streams'
     contexts' logits as one (B, vocab) tensor, where the caller has them so (a batch's step gives them)."""
     contexts = [stream.context for stream in streams]
+    logits = torch.cat([context.logits for context in contexts]) if logits is None else logits
     return choose(
-        torch.cat([context.logits for context in contexts]) if logits is None else logits,
+        masked(logits, [stream.matcher for stream in streams]),  # constrained rows' ruled-out tokens: -inf
         [stream.options for stream in streams],
         Histories(contexts),
         [context.generator for context in contexts],
@@ -543,7 +550,7 @@ def generate(
         cores.adapt()
         if text:
             yield text
-    if not stream.stopped:
+    if not stream.stops.stopped:  # a complete constraint's text may still be held back for a stop string
         yield stream.end(final)
 
 

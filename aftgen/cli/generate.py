@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -24,10 +24,15 @@ from aftgen.cli.common import (
 )
 from aftgen.corpus import CorpusOptions
 from aftgen.errors import AftgenError
+from aftgen.files import read_text
 from aftgen.layers import BATCH_INVARIANT_HELP
+from aftgen.options import flag
 from aftgen.sampling import CONTROLS, check_seed
 from aftgen.sampling import SamplingOptions as Defaults
 from aftgen.tokenizer import valid_text
+
+if TYPE_CHECKING:
+    from aftgen.constraints import Constraint
 
 
 def _sampling(help: str, *names: str):
@@ -49,8 +54,39 @@ def sampling_options() -> dict[str, tuple[object, object]]:
     return {"max_new_tokens": (MaxNewTokens, Defaults.max_new_tokens), **controls, "seed": (Seed, Defaults.seed)}
 
 
+SHAPE_LIMIT = 1 << 20  # bytes of a --json-schema or --grammar file
+
+
+def shape_options() -> dict[str, tuple[object, object]]:
+    """What the text must be (aftgen.constraints): one of a JSON schema, a regular expression, a grammar."""
+    return {
+        "json_schema": (Annotated[Path | None, _sampling("Write JSON that follows this schema (a file).")], None),
+        "regex": (Annotated[str | None, _sampling("Write text that matches this regular expression.")], None),
+        "grammar": (
+            Annotated[Path | None, _sampling("Write text that follows this grammar (GBNF or Lark file).")],
+            None,
+        ),
+    }
+
+
 def generation_options() -> dict[str, tuple[object, object]]:
-    return sampling_options() | HARDWARE_OPTIONS
+    return sampling_options() | shape_options() | HARDWARE_OPTIONS
+
+
+def _constraint(shared: dict) -> Constraint | None:
+    """The one of --json-schema, --regex and --grammar given, read (None: none is)."""
+    from aftgen.constraints import Constraint
+
+    given = [name for name in shape_options() if shared[name] is not None]
+    if len(given) > 1:
+        raise AftgenError(f"give one of --json-schema, --regex and --grammar, not {' and '.join(map(flag, given))}")
+    if not given:
+        return None
+    name, value = given[0], shared[given[0]]
+    if name == "regex":
+        return Constraint("regex", valid_text(value, "--regex"))
+    require_file(value, name.replace("_", " ") + " file")
+    return Constraint(name, read_text(value, SHAPE_LIMIT, f"the {flag(name)} file"))
 
 
 LoadState = Annotated[
@@ -78,20 +114,31 @@ BatchInvariant = Annotated[
 def _sampling_options(shared: dict, stop: list[str] | None, num_samples: int = 1) -> Defaults:
     given = {name: shared[name] for name in sampling_options()}
     stops = tuple(valid_text(text, "--stop") for text in stop or ())
-    options = Defaults(**given, stop=stops, num_samples=num_samples)
+    options = Defaults(**given, stop=stops, num_samples=num_samples, constraint=_constraint(shared))
     options.check()
     return options
 
 
-def _load_for_generation(model: str | None, load_state: Path | None, compile_step: bool, batch_invariant: bool, where):
-    """(model, tokenizer, context or None, step function), telling stderr about the compile."""
+def _load_for_generation(
+    model: str | None,
+    load_state: Path | None,
+    compile_step: bool,
+    batch_invariant: bool,
+    where,
+    constraint: Constraint | None = None,
+):
+    """(model, tokenizer, context or None, step function), telling stderr about the compile; `constraint`
+    compiled for the tokenizer, so that one that cannot be is refused before any text."""
     from aftgen.api import load
+    from aftgen.constraints import compiled as compiled_constraint
     from aftgen.model import compile_step as compiled
     from aftgen.model import token_order_step
     from aftgen.state import load_state as read_state
 
     lm, tokenizer = load(model, where.device)
     lm.lower_weights(where.weights)
+    if constraint is not None:  # refused before any text is written
+        compiled_constraint(constraint, tokenizer)
     context = read_state(load_state, lm, tokenizer) if load_state else None
     step = lm.step
     if compile_step:
@@ -139,7 +186,9 @@ def sample(
     require_file(load_state, "state file")
     prompt = _prompt_text(prompt, prompt_file)
     where = placement(shared, generating=True)
-    lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step, batch_invariant, where)
+    lm, tokenizer, context, step = _load_for_generation(
+        model, load_state, compile_step, batch_invariant, where, options.constraint
+    )
     with where.autocast():
         context = read_prompt(lm, tokenizer, prompt, context, options.seed)
         # A run that will be continued keeps an unfinished last character for the next one.
@@ -192,7 +241,7 @@ def prime(
     check_seed(seed)
     text = read_text(text_file, encoding, errors)
     where = placement(hardware, generating=True)
-    lm, tokenizer, _, _ = _load_for_generation(model, None, False, where)
+    lm, tokenizer, _, _ = _load_for_generation(model, None, False, False, where)
     prefill = None
     if compile_prefill:
         prefill, note = compiled(lm, PROMPT_CHUNK)
@@ -231,7 +280,9 @@ def chat(
     require_file(load_state, "state file")
     keep_undecodable_stdin()
     where = placement(shared, generating=True)
-    lm, tokenizer, context, step = _load_for_generation(model, load_state, compile_step, batch_invariant, where)
+    lm, tokenizer, context, step = _load_for_generation(
+        model, load_state, compile_step, batch_invariant, where, options.constraint
+    )
     with where.autocast():
         context = run_chat(lm, tokenizer, options, context, step)
     if save_state is not None and context is not None:

@@ -27,7 +27,7 @@ from aftgen.serve import tokenizing
 from aftgen.serve.engine import Engine
 from aftgen.serve.remote import EngineProcess, EngineUnavailable
 from aftgen.serve.replies import Reply
-from aftgen.serve.schema import APIError, controls_body, parse_request
+from aftgen.serve.schema import APIError, check_constraint, controls_body, parse_request
 from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket, merged_texts
 
 # The page may talk to this server only: its own inline script and style, nothing fetched from elsewhere.
@@ -243,6 +243,8 @@ class Server:
     async def _generate(self, request: Request, chat: bool) -> Response:
         body = await self._body(request)
         parsed = parse_request(body, chat, self.options, self.engine.tokenizer, self.model_name)
+        if parsed.constraint_field is not None:  # compiling a schema can take a while: off the event loop
+            await asyncio.to_thread(check_constraint, parsed, self.engine.tokenizer)
         inbox: asyncio.Queue = asyncio.Queue()
         ticket = self.engine.submit(parsed.work, inbox)
         scored = parsed.work.logprobs is not None

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aftgen.checkpoint import TOKENIZER
+from aftgen.constraints import Constraint
 from aftgen.errors import AftgenError
 from aftgen.mixers import MIXERS, Kind
 from aftgen.sampling import SamplingOptions
@@ -105,6 +106,7 @@ def work_message(work: Work) -> dict:
 def work_from_message(fields: dict) -> Work:
     options = SamplingOptions(**fields.pop("options"))
     options.stop = tuple(options.stop)
+    options.constraint = options.constraint and Constraint(**options.constraint)  # asdict made it a dict
     return Work(options=options, **fields)
 
 

@@ -8,11 +8,14 @@ client that sends its defaults works and one that relies on the feature hears ab
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from aftgen.chat import REPLY_END, ROLES, message_text
+from aftgen.constraints import ANY_JSON_OBJECT, Constraint, compiled, json_source
+from aftgen.errors import AftgenError
 from aftgen.sampling import API_DEFAULTS, CONTROLS, SEEDS, Range, SamplingOptions, opening
 from aftgen.serve.conversation import chat_ids
 from aftgen.serve.options import ServeOptions
@@ -46,6 +49,7 @@ class Request:
     chat: bool
     stream: bool = False
     include_usage: bool = False
+    constraint_field: str | None = None  # the field that gave work.options.constraint (check_constraint names it)
 
 
 def invalid(param: str, message: str) -> APIError:
@@ -119,12 +123,79 @@ NEUTRAL = {
     "echo": (False,),  # chat: OpenAI's has none
     "best_of": (1,),
     "suffix": ("",),
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
     "store": (False,),
 }
 IGNORED = ("user", "metadata", "service_tier", "parallel_tool_calls")  # no effect on what is generated
+
+
+def response_format(name: str, value: object) -> Constraint | None:
+    """OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": {...}, ...}}."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_schema", ANY_JSON_OBJECT)
+    if kind == "json_schema":
+        given = value.get("json_schema")
+        if not isinstance(given, dict) or not isinstance(given.get("schema"), dict):
+            raise invalid(f"{name}.json_schema", f"'{name}.json_schema' must be an object with a 'schema' object")
+        return Constraint("json_schema", json_source(given["schema"]))
+    raise invalid(name, f"'{name}' must be an object whose 'type' is 'text', 'json_object' or 'json_schema'")
+
+
+def json_schema(name: str, value: object) -> Constraint:
+    """llama.cpp's `json_schema`, and vLLM's structured_outputs.json (an object, or its JSON text)."""
+    if isinstance(value, str):
+        return Constraint("json_schema", value)
+    if not isinstance(value, dict):
+        raise invalid(name, f"'{name}' must be a JSON schema (an object)")
+    return Constraint("json_schema", json_source(value))
+
+
+def grammar(name: str, value: object) -> Constraint:
+    """llama.cpp's `grammar`: GBNF (or Lark, which llguidance reads natively)."""
+    return Constraint("grammar", text(name, value))
+
+
+def regex(name: str, value: object) -> Constraint:
+    return Constraint("regex", text(name, value))
+
+
+def choice(name: str, value: object) -> Constraint:
+    if not isinstance(value, list) or not value or not all(isinstance(item, str) for item in value):
+        raise invalid(name, f"'{name}' must be a non-empty list of strings")
+    return Constraint("choice", json.dumps(value))
+
+
+STRUCTURED_OUTPUTS = {"json": json_schema, "regex": regex, "grammar": grammar, "choice": choice}  # vLLM's names
+
+
+def structured_outputs(name: str, value: object) -> Constraint:
+    """vLLM's {"json" | "regex" | "grammar" | "choice": ...}, one of them."""
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in STRUCTURED_OUTPUTS:
+        raise invalid(name, f"'{name}' must be an object with one of: {', '.join(STRUCTURED_OUTPUTS)}")
+    key, given = next(iter(value.items()))
+    return STRUCTURED_OUTPUTS[key](f"{name}.{key}", given)
+
+
+# Fields that ask for text of a given shape (OpenAI's, vLLM's, llama.cpp's): a request gives one at most.
+CONSTRAINT_FIELDS = {
+    "response_format": response_format,
+    "structured_outputs": structured_outputs,
+    "json_schema": json_schema,
+    "grammar": grammar,
+}
+
+
+def check_constraint(request: Request, tokenizer: Tokenizer) -> None:
+    """Compile the request's constraint (cached by its text), refusing one that cannot be compiled. A large
+    schema takes a while: the HTTP side runs this on a worker thread."""
+    try:
+        compiled(request.work.options.constraint, tokenizer)
+    except AftgenError as exc:
+        raise invalid(request.constraint_field, f"'{request.constraint_field}': {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -174,6 +245,7 @@ def sampling_fields(options: ServeOptions) -> dict[str, Callable[[str, object], 
         "stream_options": stream_options,
         "stop": stops,
         "session": session_name,
+        **CONSTRAINT_FIELDS,
     }
 
 
@@ -378,12 +450,17 @@ def parse_request(body: dict, chat: bool, options: ServeOptions, tokenizer: Toke
         raise invalid("echo", "'echo' scores a prompt from its start: a session continues one, so not with 'session'")
     ids = prompt_ids(values, chat, tokenizer, options.max_prompt_tokens)
     given = {name: values[name] for name in CONTROLS if name in values}
+    shaped = [name for name in CONSTRAINT_FIELDS if values.get(name) is not None]
+    if len(shaped) > 1:
+        raise invalid(shaped[1], f"give one of {', '.join(CONSTRAINT_FIELDS)} at most, not {' and '.join(shaped)}")
     sampling = SamplingOptions(
         max_new_tokens=values.get("max_tokens", values.get("max_completion_tokens", options.max_tokens)),
         seed=values.get("seed"),
         stop=values.get("stop", (REPLY_END,) if chat else ()),
+        constraint=values[shaped[0]] if shaped else None,
         **API_DEFAULTS | given,
     )
     scores = {"logprobs": logprobs_asked(values, chat), "echo": values.get("echo", False)}
     work = Work(ids, sampling, values.get("n", 1), values.get("session"), REPLY_END if chat else None, **scores)
-    return Request(work, chat, values.get("stream", False), values.get("stream_options", False))
+    stream, usage = values.get("stream", False), values.get("stream_options", False)
+    return Request(work, chat, stream, usage, shaped[0] if shaped else None)
