@@ -830,7 +830,9 @@ def test_reading_chunks_reuses_freed_memory_instead_of_faulting_in_fresh_pages()
     default, reuse = read("default"), read("reuse")
     if default["faults"] < 1000:
         pytest.skip(f"this allocator already reuses freed memory ({default['faults']} page faults in 8 chunks)")
-    assert reuse["faults"] < default["faults"] // 20
+    # A tenth: reusing, 8 chunks fault in 0-10 pages, now and then 130-260 (a thread's first use of its stack,
+    # say); not reusing, 4,000-5,400.
+    assert reuse["faults"] < default["faults"] // 10
     assert reuse["peak"] <= default["peak"] + 16  # MB: kept memory is reused, not piled up
 
 
