@@ -8,6 +8,7 @@ trip exact for any Unicode text.
 from __future__ import annotations
 
 import codecs
+import functools
 import io
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -105,11 +106,12 @@ class Tokenizer:
     def token_text(self, token: int) -> str:
         """A token as OpenAI-compatible servers name it in log-probabilities: its text, or where its bytes are not
         UTF-8 alone (a byte-fallback piece, part of a character) "bytes:" and their escapes, as vLLM writes them."""
-        data = self._piece_bytes[token]
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in data)
+        return self._token_names[token]
+
+    @functools.cached_property
+    def _token_names(self) -> list[str]:
+        """Every token's name, made once: a server names six tokens a token with `logprobs: 5`."""
+        return [_name(data) for data in self._piece_bytes]
 
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)
@@ -213,3 +215,10 @@ def trainer_slices(texts: Iterable[str], size: int = TRAINER_SLICE) -> Iterator[
         rest = rest[whole:]
     if rest:
         yield rest
+
+
+def _name(data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in data)
