@@ -523,8 +523,8 @@ def test_bench_serve_figures():
 
 
 def test_bench_serve_runs_a_server_and_reports_against_the_targets(tiny_run):
-    """Every figure for 1, 8 and 32 streams, the engine's ceiling beside each, and each target judged from
-    those very figures."""
+    """Every figure for 1, 8 and 32 streams, the engine's ceiling beside each, 32 streams with scores and with a
+    schema, and each target judged from those very figures."""
     lines: list[str] = []
     rows = bench_serve(
         BenchServeOptions(model=str(tiny_run), tokens=16, rounds=2, threads=1, device=DEVICE), log=lines.append
@@ -532,7 +532,7 @@ def test_bench_serve_runs_a_server_and_reports_against_the_targets(tiny_run):
     figure = {
         (row["measure"], row["streams"]): row["value"] for row in rows if "streams" in row and "target" not in row
     }
-    assert {streams for _, streams in figure} == {1, 8, 32} and len(figure) == 3 * 8
+    assert {streams for _, streams in figure} == {1, 8, 32} and len(figure) == 3 * 8 + 2
     for streams in (1, 8, 32):
         assert figure["aggregate throughput", streams] > 0
         assert figure["engine's ceiling: batched step and sampling, no HTTP", streams] > 0
@@ -543,23 +543,31 @@ def test_bench_serve_runs_a_server_and_reports_against_the_targets(tiny_run):
         assert figure["server resident memory", streams] <= figure["server peak resident memory", streams]
     state_mb = float(re.search(r"state ([\d.]+) MB", lines[0]).group(1))
     assert re.search(r", 1 threads$", lines[0])  # the ceiling's threads: the server's own
-    expected = {
-        ("aggregate tokens/s, 32 streams / 1 stream", None): figure["aggregate throughput", 32]
-        / figure["aggregate throughput", 1],
-        ("ITL p99 at 32 streams / single-stream step (ITL p50 at 1)", None): figure["inter-token latency p99", 32]
-        / figure["inter-token latency p50", 1],
-        ("ITL p99 / p50 at 32 streams", None): figure["inter-token latency p99", 32]
-        / figure["inter-token latency p50", 32],
-        ("peak resident memory growth 1 -> 32 streams, beyond 32 states", None): figure[
-            "server peak resident memory", 32
-        ]
-        - figure["server peak resident memory", 1]
-        - 32 * state_mb,
-    } | {
-        ("served tokens/s / the engine's ceiling (no HTTP)", streams): figure["aggregate throughput", streams]
-        / figure["engine's ceiling: batched step and sampling, no HTTP", streams]
-        for streams in (1, 8, 32)
-    }
+    expected = (
+        {
+            ("aggregate tokens/s, 32 streams / 1 stream", None): figure["aggregate throughput", 32]
+            / figure["aggregate throughput", 1],
+            ("ITL p99 at 32 streams / single-stream step (ITL p50 at 1)", None): figure["inter-token latency p99", 32]
+            / figure["inter-token latency p50", 1],
+            ("ITL p99 / p50 at 32 streams", None): figure["inter-token latency p99", 32]
+            / figure["inter-token latency p50", 32],
+            ("peak resident memory growth 1 -> 32 streams, beyond 32 states", None): figure[
+                "server peak resident memory", 32
+            ]
+            - figure["server peak resident memory", 1]
+            - 32 * state_mb,
+        }
+        | {
+            ("served tokens/s / the engine's ceiling (no HTTP)", streams): figure["aggregate throughput", streams]
+            / figure["engine's ceiling: batched step and sampling, no HTTP", streams]
+            for streams in (1, 8, 32)
+        }
+        | {
+            (f"tokens/s at 32 streams, {asked} on each / free", None): figure[f"aggregate throughput, {name}", 32]
+            / figure["aggregate throughput", 32]
+            for name, asked in (("logprobs", "logprobs: 5"), ("constrained", "a JSON schema"))
+        }
+    )
     targets = {(row["measure"], row.get("streams")): row for row in rows if "target" in row}
     assert set(targets) == set(expected)
     for measure, value in expected.items():

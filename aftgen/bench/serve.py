@@ -39,6 +39,15 @@ from aftgen.serve.batch import Batch, CompiledBatchStep
 PROMPTS = ("ROMEO:", "JULIET:", "KING HENRY:", "First Citizen:", "NURSE:", "HAMLET:", "LADY MACBETH:", "GLOUCESTER:")
 START_TIMEOUT = 180.0  # seconds for the server to load its model and listen
 TEMPERATURE = 0.8  # what every stream asks for
+# What a request may ask beside its text, each timed at 32 streams against the same streams free (issue 48):
+# scores with five alternatives a token, and a shape no stream completes early (a JSON string of any length),
+# so both phases make the same tokens but for the masks.
+ASKS = {
+    "logprobs": {"logprobs": 5},
+    "constrained": {
+        "json_schema": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    },
+}
 
 
 @dataclass
@@ -92,10 +101,11 @@ async def stream_once(host: str, port: int, body: dict) -> StreamTiming:
     return timing
 
 
-async def run_phase(host: str, port: int, streams: int, tokens: int) -> list[StreamTiming]:
+async def run_phase(host: str, port: int, streams: int, tokens: int, ask: dict | None = None) -> list[StreamTiming]:
+    """`streams` concurrent streaming requests of `tokens` tokens each (with `ask`'s fields), timed."""
     bodies = [
         {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens, "temperature": TEMPERATURE, "seed": i,
-         "stream": True, "stream_options": {"include_usage": True}}
+         "stream": True, "stream_options": {"include_usage": True}} | (ask or {})
         for i in range(streams)
     ]  # fmt: skip
     return list(await asyncio.gather(*(stream_once(host, port, body) for body in bodies)))
@@ -174,9 +184,10 @@ def phase_figures(timings: list[StreamTiming]) -> dict[str, float]:
 
 def bench_serve(options: BenchServeOptions, log=print) -> list[Row]:
     """Start a server and drive it with 1, 8 and 32 concurrent streams in turn, for `rounds` rounds, the
-    engine's ceiling timed beside each phase; each figure is the best of the rounds (other processes only
-    ever add time). Rows with the issue's targets."""
+    engine's ceiling timed beside each phase, then 32 streams with each of ASKS; each figure is the best of the
+    rounds (other processes only ever add time). Rows with the issue's targets."""
     rounds: dict[int, list[dict[str, float]]] = {streams: [] for streams in STREAMS}
+    asked: dict[str, float] = dict.fromkeys(ASKS, 0.0)  # the best tokens/s at 32 streams with each ask
     with ServerProcess(options) as server:
         health = server.health()
         state_mb = health["state_bytes"] / 1e6
@@ -195,7 +206,20 @@ def bench_serve(options: BenchServeOptions, log=print) -> list[Row]:
                 log(f"  round {round_number + 1}, {streams:>2} streams: {figures['tokens_per_s']:,.0f} tokens/s "
                     f"(engine's ceiling {figures['ceiling_tokens_per_s']:,.0f}), "
                     f"ITL p50 {figures['itl_p50_ms']:.1f} ms / p99 {figures['itl_p99_ms']:.1f} ms")  # fmt: skip
-    return serve_rows({streams: best_of(figures) for streams, figures in rounds.items()}, state_mb)
+            for name, figure in timed_asks(server, options.tokens, warm_up=round_number == 0).items():
+                asked[name] = max(asked[name], figure)
+                log(f"  round {round_number + 1}, {max(STREAMS)} streams, {name}: {figure:,.0f} tokens/s")
+    return serve_rows({streams: best_of(figures) for streams, figures in rounds.items()}, state_mb, asked)
+
+
+def timed_asks(server: ServerProcess, tokens: int, warm_up: bool) -> dict[str, float]:
+    """Tokens/s at 32 streams with each of ASKS (`warm_up`: an untimed phase first, which compiles a shape)."""
+    timed = {}
+    for name, ask in ASKS.items():
+        if warm_up:
+            asyncio.run(run_phase(server.host, server.port, max(STREAMS), 16, ask))
+        timed[name] = phase_figures(asyncio.run(run_phase(server.host, server.port, max(STREAMS), tokens, ask)))
+    return {name: figures["tokens_per_s"] for name, figures in timed.items()}
 
 
 class Ceiling:
@@ -245,8 +269,9 @@ def best_of(rounds: list[dict[str, float]]) -> dict[str, float]:
     return best
 
 
-def serve_rows(phases: dict[int, dict[str, float]], state_mb: float) -> list[Row]:
-    """The measurements as rows, then the targets (32 streams against one, measured in the same run)."""
+def serve_rows(phases: dict[int, dict[str, float]], state_mb: float, asked: dict[str, float]) -> list[Row]:
+    """The measurements as rows, then the targets (32 streams against one, and against 32 streams with each of
+    ASKS (`asked`: their tokens/s), measured in the same run)."""
     units = {
         "tokens_per_s": ("aggregate throughput", "tokens/s"),
         "ceiling_tokens_per_s": ("engine's ceiling: batched step and sampling, no HTTP", "tokens/s"),
@@ -262,6 +287,8 @@ def serve_rows(phases: dict[int, dict[str, float]], state_mb: float) -> list[Row
         for streams, figures in phases.items()
         for key, (label, unit) in units.items()
     ]
+    rows += [{"measure": f"aggregate throughput, {name}", "value": round(value, 6), "unit": "tokens/s",
+              "streams": max(STREAMS)} for name, value in asked.items()]  # fmt: skip
     one, many = phases[1], phases[max(STREAMS)]
     speedup = many["tokens_per_s"] / one["tokens_per_s"]
     latency = many["itl_p99_ms"] / one["itl_p50_ms"]
@@ -280,4 +307,5 @@ def serve_rows(phases: dict[int, dict[str, float]], state_mb: float) -> list[Row
             TARGETS["serve latency spread"].judge(many["itl_p99_ms"] / many["itl_p50_ms"]),
             TARGETS["serve memory"].judge(growth - max(STREAMS) * state_mb),
         ]
+        + [TARGETS[f"serve {name}"].judge(value / many["tokens_per_s"]) for name, value in asked.items()]
     )
