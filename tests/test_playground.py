@@ -3,12 +3,15 @@ downloaded browser) against real servers on 127.0.0.1 with a tiny model; one bro
 
 from __future__ import annotations
 
+import codecs
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterator
 
 import httpx
+import jsonschema
 import pytest
 from test_serve import KEY, busy_slots, client, running, wait_for
 
@@ -83,6 +86,14 @@ class Playground:
         )
         return self.page.locator(".reply .text").nth(index).text_content()
 
+    def tokens(self, index: int = -1) -> list[list[str]]:
+        """A reply's token spans: each one's text and tooltip."""
+        return self.page.evaluate(
+            "i => [...[...document.querySelectorAll('.reply')].at(i).querySelectorAll('.token')]"
+            ".map(s => [s.textContent, s.dataset.tip])",
+            index,
+        )
+
     def generations(self) -> list:
         return [r for r in self.requests if r.method == "POST" and "/v1/" in r.url]
 
@@ -119,6 +130,9 @@ def test_text_streams_in_and_the_page_asks_nothing_of_anyone_but_the_server(play
     lengths = page.evaluate("window.lengths")
     assert len({n for n in lengths if 0 < n < len(text)}) > 1  # several partial texts shown before the end
     figures = page.text_content(".reply .figures")
+    assert json.loads(playground.generations()[0].post_data)["logprobs"] == 5
+    spans = playground.tokens()  # the completion route's shape: spans cut at its text_offset
+    assert len(spans) == 300 and "".join(span for span, _ in spans) == text
     assert figures.startswith("300 tokens · ") and "tokens/s" in figures and "cached prompt tokens" in figures
     assert playground.requests and all(r.url.startswith(f"{open_url}/") for r in playground.requests)
     assert {r.url.removeprefix(open_url) for r in playground.requests} == {
@@ -232,3 +246,62 @@ def test_the_page_is_served_as_html_for_this_server_only_and_no_webui_turns_it_o
     assert "connect-src 'self'" in page.headers["content-security-policy"]
     with running(tiny_run, in_process=True, api_key=None, webui=False) as url:
         assert httpx.get(f"{url}/", timeout=10).status_code == 404
+
+
+def test_each_token_shows_its_probability_and_alternatives_on_hover_and_by_keyboard(playground, open_url):
+    playground.settings(seed=3, max_tokens=30)
+    playground.send("Hello there.")
+    text = playground.reply()
+    (sent,) = playground.generations()
+    body = json.loads(sent.post_data)
+    assert body["logprobs"] is True and body["top_logprobs"] == 5
+    spans = playground.tokens()
+    assert "".join(span for span, _ in spans) == text and len(spans) == 30
+    for _, tip in spans:
+        shown, *alternatives = tip.split("\n")
+        assert 0 < float(shown.removesuffix("%")) <= 100 and len(alternatives) == 5
+    body |= {"stream": False}  # the same request from the API: the same tokens, each with its probability
+    body.pop("stream_options")
+    answer = httpx.post(f"{open_url}/v1/chat/completions", json=body, timeout=60).json()
+    content = answer["choices"][0]["logprobs"]["content"]
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")  # a byte-fallback piece: its bytes, as decoded
+    assert [span for span, _ in spans] == [decoder.decode(bytes(entry["bytes"])) for entry in content]
+    percents = [float(tip.split("\n")[0].removesuffix("%")) for _, tip in spans]
+    assert percents == pytest.approx([100 * math.exp(entry["logprob"]) for entry in content], abs=0.06, rel=0.01)
+    page, first = playground.page, ".reply .token >> nth=0"
+    page.hover(first)
+    popup = "s => getComputedStyle(s, '::after').content"  # the tooltip, quoted, or 'none' where it is hidden
+    assert page.eval_on_selector(first, popup).startswith('"' + spans[0][1].split("\n")[0]) and len(spans[0][1]) > 20
+    assert page.eval_on_selector(".reply .token >> nth=1", popup) == "none"
+    page.focus(first)
+    page.keyboard.press("ArrowRight")
+    assert page.evaluate("document.activeElement.textContent") == spans[1][0]
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+
+
+def test_a_schema_typed_in_gives_a_reply_that_follows_it(playground):
+    playground.page.fill("#schema", json.dumps(SCHEMA, indent=2))
+    playground.settings(seed=5, max_tokens=60)
+    playground.send("A number, please.")
+    jsonschema.validate(json.loads(playground.reply()), SCHEMA)
+    (sent,) = playground.generations()
+    assert json.loads(sent.post_data)["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "playground", "schema": SCHEMA},
+    }
+
+
+def test_a_schema_that_is_not_json_is_said_beside_it_and_nothing_is_sent(playground):
+    page = playground.page
+    page.fill("#schema", '{"type": "object",')
+    playground.send("A number, please.")
+    assert "not JSON" in page.text_content("#schema-error")
+    assert not playground.generations() and page.locator(".msg").count() == 0
+    assert page.input_value("#input") == "A number, please."  # kept to send again
+    page.fill("#schema", "[1]")  # JSON, but no schema: the server's 400 shows as the page's other errors do
+    assert page.text_content("#schema-error") == ""
+    page.press("#input", "Enter")
+    playground.reply(state="error")
+    assert "response_format" in page.text_content(".reply .error")
