@@ -51,7 +51,9 @@ class ServeOptions:
         "Require 'Authorization: Bearer KEY' on every /v1 route and the tokenizer's; past that: 401.",
         envvar="AFTGEN_API_KEY",
     )
-    webui: bool = _server(True, "The playground page at / (chat, completion, sampling settings, streaming).")
+    webui: bool = _server(
+        True, "The playground page at / (chat, completion, settings, streaming, token probabilities, JSON schema)."
+    )
     sessions_dir: Path | None = _server(None, "Save named sessions here (aftgen state files; default: memory only).")
     cache_mb: float = _server(64.0, "Prefix-state cache size, least recently used first out (0: off).", Range(0))
     parallel: int = _limit(32, "Sequences generating at once (rows of the batched step).", Range(1, 4096))
