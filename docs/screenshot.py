@@ -1,4 +1,4 @@
-"""Remake docs/playground.png: the playground page with a reply streamed from the shipped model.
+"""Remake docs/playground.png: the playground page with a reply streamed from the shipped model, a token hovered.
 
 Run from the repository root with `aftgen serve --port 8765` running in another shell:
     .venv/bin/python docs/screenshot.py
@@ -26,5 +26,6 @@ with sync_playwright() as playwright, tempfile.TemporaryDirectory() as profile:
     page.press("#input", "Enter")
     page.wait_for_function("() => document.querySelector('.reply').dataset.state === 'done'")
     page.fill("#input", "JULIET:")
+    page.hover(".reply .token >> nth=45")  # a token's probability and its likeliest alternatives
     page.screenshot(path="docs/playground.png")
     browser.close()
