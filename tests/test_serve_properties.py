@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
+from test_serve import _one_thread  # noqa: F401 (autouse: the module runs on one thread)
 
 from aftgen.api import load
 from aftgen.chat import ROLES
@@ -30,14 +30,6 @@ from aftgen.serve.work import Done, Failed, Finished, Text, Work
 KEY = "property-key"
 OPTIONS = dict(api_key=KEY, max_tokens=4, max_prompt_tokens=64, max_body_bytes=1 << 16, parallel=4, queue=4)
 EXAMPLES = 500
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

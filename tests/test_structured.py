@@ -10,11 +10,10 @@ from collections.abc import Iterator
 
 import jsonschema
 import pytest
-import torch
 from conftest import DEVICE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serve import client, post, running
+from test_serve import _one_thread, client, post, running  # noqa: F401 (_one_thread: autouse, one thread)
 from typer.testing import CliRunner
 
 from aftgen.api import load
@@ -39,14 +38,6 @@ PERSON = {  # the issue's: a string of at most 20 characters, an integer and an 
 PHONE = "[0-9]{3}-[0-9]{4}"
 TEMPERATURES = (0.0, 0.7, 1.0, 1.5)
 CHOICES = 8  # choices a request: choice i draws from seed + i
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
