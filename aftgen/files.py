@@ -257,20 +257,30 @@ def locked_file(path: Path) -> Iterator[None]:
 
 
 def open_lock(path: Path) -> int:
-    """A read-write descriptor of the lock file at `path`, created if absent. A link there is refused, never
-    followed (locking or writing it would reach the file it points to), and so is anything but a regular
-    file with no other name (a hard link is another file's content under this name)."""
+    """A read-write descriptor of the lock file at `path`, created if absent (see `_open_in_place`)."""
+
+    def failure(exc: OSError) -> AftgenError:
+        return AftgenError(f"cannot lock {path.parent} ({exc.strerror or exc})")
+
+    return _open_in_place(path, os.O_RDWR | os.O_CREAT, "a lock file", failure)
+
+
+def _open_in_place(path: Path | str, flags: int, what: str, failure: Callable[[OSError], AftgenError]) -> int:
+    """A descriptor of the file at `path`, opened with `flags` to be changed in place (`failure` makes the error
+    of an open that fails). A link there is refused, never followed (the change would reach the file it points
+    to), and so is anything but a regular file with no other name (a FIFO would block; a hard link is another
+    file's content under this name)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise AftgenError(f"{path} is a link, not a lock file aftgen made: remove it and retry") from None
-        raise AftgenError(f"cannot lock {path.parent} ({exc.strerror or exc})") from None
+            raise AftgenError(f"{path} is a link, not {what} aftgen made: remove it and retry") from None
+        raise failure(exc) from None
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
         os.close(fd)
         kind = kind_of(info.st_mode) if not stat.S_ISREG(info.st_mode) else "a file with another name (a hard link)"
-        raise AftgenError(f"{path} is {kind}, not a lock file aftgen made: remove it and retry")
+        raise AftgenError(f"{path} is {kind}, not {what} aftgen made: remove it and retry")
     return fd
 
 
@@ -304,7 +314,7 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def append_durably(path: Path | str, data: bytes) -> None:
-    """Add `data` at the end of the regular file `path` and sync it to disk (see `_open_to_change`)."""
+    """Add `data` at the end of the regular file `path` and sync it to disk (see `_open_in_place`)."""
     with _open_to_change(path, os.O_APPEND) as handle:
         try:
             handle.write(data)
@@ -315,7 +325,7 @@ def append_durably(path: Path | str, data: bytes) -> None:
 
 
 def truncate(path: Path | str, size: int) -> None:
-    """Cut the regular file `path` to `size` bytes (see `_open_to_change`)."""
+    """Cut the regular file `path` to `size` bytes (see `_open_in_place`)."""
     with _open_to_change(path) as handle:
         try:
             os.ftruncate(handle.fileno(), size)
@@ -324,20 +334,9 @@ def truncate(path: Path | str, size: int) -> None:
 
 
 def _open_to_change(path: Path | str, flags: int = 0) -> BinaryIO:
-    """The existing file `path` opened for writing in place. A link there is refused, never followed (the
-    change would reach the file it points to), and so is anything but a regular file (a FIFO would block)."""
-    try:
-        fd = os.open(path, os.O_WRONLY | flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise AftgenError(f"{path} is a link, not a file aftgen made: remove it and retry") from None
-        raise _write_error(Path(path), exc) from None
-    handle = os.fdopen(fd, "wb")
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        handle.close()
-        raise AftgenError(f"{path} is {kind_of(mode)}, not a file: remove it and retry")
-    return handle
+    """The existing file `path` opened for writing in place (see `_open_in_place`)."""
+    fd = _open_in_place(path, os.O_WRONLY | flags, "a file", lambda exc: _write_error(Path(path), exc))
+    return os.fdopen(fd, "wb")
 
 
 def is_count(value: object) -> bool:

@@ -29,6 +29,7 @@ from aftgen.corpus.cache import TokenFiles
 from aftgen.errors import AftgenError
 from aftgen.files import (
     LOCK,
+    append_durably,
     atomic_write,
     locked_folder,
     open_regular,
@@ -146,10 +147,18 @@ def test_resuming_a_corpus_cache_entry_does_not_cut_the_file_a_token_file_links_
     assert not (entry / "train.bin").is_symlink() and (entry / "train.bin").read_bytes() == b""
 
 
-def test_a_file_cut_back_in_place_is_never_reached_through_a_link(tmp_path, victim):
-    (tmp_path / "train.bin").symlink_to(victim)  # swapped in after the entry was checked, say
-    with pytest.raises(AftgenError, match="train.bin is a link"):
-        truncate(tmp_path / "train.bin", 0)
+@pytest.mark.parametrize("plant", ["symlink", "hard link"])
+def test_a_file_changed_in_place_is_never_reached_through_a_link(tmp_path, victim, plant):
+    token_file = tmp_path / "train.bin"  # swapped in after the entry was checked, say
+    if plant == "symlink":
+        token_file.symlink_to(victim)
+    else:
+        token_file.hardlink_to(victim)
+    refused = "train.bin is a link" if plant == "symlink" else "train.bin is a file with another name"
+    with pytest.raises(AftgenError, match=refused):
+        truncate(token_file, 0)
+    with pytest.raises(AftgenError, match=refused):
+        append_durably(token_file, b"ids")
 
 
 def _package(path: Path) -> None:
