@@ -265,10 +265,6 @@ ALLOWED = {
     ("aftgen/model.py", "_step_key"): "the package's own source files, hashed",
     ("aftgen/cli/common.py", "quiet_stdout"): "os.devnull, once a reader of stdout went away",
     ("aftgen/bench/side_by_side.py", "__init__"): "the child's log, in the bench's own temporary folder",
-    ("aftgen/bench/side_by_side.py", "started"): "the child's log, in the bench's own temporary folder",
-    ("aftgen/bench/side_by_side.py", "steps_per_s"): "the child's log, in the bench's own temporary folder",
-    ("aftgen/bench/serve.py", "_address"): "the server's log, a temporary file the bench made",
-    ("aftgen/bench/finetune.py", "bench_finetune"): "corpus slices, in the bench's own temporary folder",
 }
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from aftgen.bench.targets import TARGETS, Row
 from aftgen.corpus import read_text
+from aftgen.files import atomic_write
 from aftgen.record import read_run_files
 
 ENTRY_SEPARATOR = "\n%\n"  # fortune files: entries separated by '%' lines
@@ -53,7 +54,7 @@ def bench_finetune(
     with tempfile.TemporaryDirectory(prefix="aftgen-bench-finetune-") as folder:
         for size in sizes:
             path, sliced = Path(folder) / f"corpus-{size or 'all'}.txt", text[:size] if size else text
-            path.write_text(sliced, encoding="utf-8")
+            atomic_write(path, sliced, durable=False)  # a temporary folder's: nothing to keep after a crash
             for budget in seconds:
                 where = {"corpus_chars": len(sliced), "train_seconds": budget}
                 with ProcessPoolExecutor(max_workers=2, mp_context=context) as pool:

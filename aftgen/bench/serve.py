@@ -32,12 +32,14 @@ from aftgen.bench.options import STREAMS, BenchServeOptions
 from aftgen.bench.targets import TARGETS, Row
 from aftgen.device import Placement, resolve, synchronize
 from aftgen.errors import AftgenError
+from aftgen.files import read_text
 from aftgen.model import AFTLM
 from aftgen.sampling import SamplingOptions, choose, new_generator
 from aftgen.serve.batch import Batch, CompiledBatchStep
 
 PROMPTS = ("ROMEO:", "JULIET:", "KING HENRY:", "First Citizen:", "NURSE:", "HAMLET:", "LADY MACBETH:", "GLOUCESTER:")
 START_TIMEOUT = 180.0  # seconds for the server to load its model and listen
+LOG_LIMIT = 64 << 20  # bytes: a child's log a bench reads (a few KB; a runaway one is an error, not a hang)
 TEMPERATURE = 0.8  # what every stream asks for
 # What a request may ask beside its text, each timed at 32 streams against the same streams free (issue 48):
 # scores with five alternatives a token, and a shape no stream completes early (a JSON string of any length),
@@ -130,11 +132,11 @@ class ServerProcess:
     def _address(self) -> tuple[str, int]:
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
-            found = re.search(r"at http://([\d.]+):(\d+)/v1", Path(self.log.name).read_text())
+            found = re.search(r"at http://([\d.]+):(\d+)/v1", read_log(self.log.name))
             if found:
                 return found.group(1), int(found.group(2))
             if self.process.poll() is not None:
-                said = Path(self.log.name).read_text()[-500:]  # before close() deletes the log
+                said = read_log(self.log.name)[-500:]  # before close() deletes the log
                 self.close()
                 raise AftgenError(f"bench serve: the server did not start: {said}")
             time.sleep(0.1)
@@ -161,6 +163,11 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_log(path: Path | str) -> str:
+    """What a child the bench started has written to its log so far."""
+    return read_text(path, LOG_LIMIT, "the bench's log of a child")
 
 
 def percentile(values: list[float], q: float) -> float:

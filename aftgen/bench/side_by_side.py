@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aftgen.bench.options import BenchServeOptions
-from aftgen.bench.serve import ServerProcess, run_phase
+from aftgen.bench.serve import ServerProcess, read_log, run_phase
 from aftgen.bench.targets import TARGETS, Row
 from aftgen.cores import SOLO_VARIABLE
 from aftgen.errors import AftgenError
@@ -44,7 +44,7 @@ class Training:
             self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
 
     def started(self) -> bool:
-        return TRAINING_STARTED in self.log.read_text()
+        return TRAINING_STARTED in read_log(self.log)
 
     def running(self) -> bool:
         return self.process.poll() is None
@@ -52,7 +52,7 @@ class Training:
     def steps_per_s(self) -> float:
         """Wait for the run to end; its steps over its trained seconds."""
         if self.process.wait() != 0:
-            raise AftgenError(f"bench side-by-side: a training failed: {self.log.read_text()[-500:]}")
+            raise AftgenError(f"bench side-by-side: a training failed: {read_log(self.log)[-500:]}")
         info = read_run_files(self.out)[0]
         return info["step"] / info["elapsed"]
 
