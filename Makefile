@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install test lint default-model gpu-check gpu-bundle clean
+.PHONY: install test lint default-model gpu-check gpu-bundle corpora clean
 
 install: $(VENV)/.installed
 
@@ -47,6 +47,13 @@ gpu-check: $(if $(filter $(PY),$(GPU_CHECK_PY)),install)
 # Python (3.12), the versions of this venv, and Tiny Shakespeare; carried there as one ignored folder.
 gpu-bundle: install
 	scripts/gpu_bundle.sh $(PY) $(SHAKESPEARE)
+
+# English corpora of about 10, 30 and 100 MB to measure the recipe on, from Debian's documentation packages (the
+# ones `$(PY) scripts/make_corpora.py --packages` names, installed first); SHARED_DATA=../shared/data adds Tiny
+# Shakespeare and the fortunes for the small end. No test depends on them.
+CORPORA ?= ../corpora
+corpora: install
+	$(PY) scripts/make_corpora.py --out $(CORPORA) $(if $(SHARED_DATA),--shared $(SHARED_DATA))
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -8,7 +8,7 @@ up to N MB, so a smaller corpus is a prefix of a larger one) and `manifest.json`
 the seed, the counts). Text is only made text (UTF-8 with errors replaced, no NULs); markup stays, as in a
 user's text.
 
-    apt-get install -y $(python scripts/make_corpora.py --packages)
+    apt-get install -y $(.venv/bin/python scripts/make_corpora.py --packages)
     python scripts/make_corpora.py --out ../corpora [--sizes 10,30,100] [--shared ../shared/data]
 
 `--shared DATA` also writes `tinyshakespeare/` (its last 10% held out, where nanoGPT cuts it) and
