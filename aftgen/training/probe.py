@@ -18,7 +18,12 @@ from aftgen.training.options import RECIPE_FIELDS, TrainOptions
 
 WARM_UP_STEPS, TIMED_STEPS = 2, 3
 DTYPE_ROUNDS = 2
-MOST_ON_CHECKS = 0.5  # of the budget: a plan that leaves less than half to training is wrong about something
+# Of a time budget, the most the recipe's own held-out checks may take: a short budget gets fewer than
+# CHECKS_PER_RUN. A 40-s run of preset small on 2 cores spent an eighth of its time on 25 checks and their saves
+# (docs/recipe.md), and a plan from a slow probe (a busy moment) checked every step; at a tenth, a 15-minute run
+# still makes all 25 (1-3% of it here) and a 40-s one 6-8, enough for the best check and patience to matter.
+CHECKS_SHARE = 0.1
+MOST_ON_CHECKS = 0.5  # of the budget, with the user's --eval-interval: beyond it the plan is wrong about something
 
 
 def training_step(model: AFTLM, batch: int, length: int, autocast: Callable) -> Callable[[], None]:
@@ -42,7 +47,6 @@ def training_step(model: AFTLM, batch: int, length: int, autocast: Callable) -> 
 def tokens_per_s(config: AFTConfig, batch_size: int, placement: Placement, steps: int = TIMED_STEPS) -> float:
     """Training tokens/s of a model of `config` at `batch_size` (AdamW, autocast as placed), measured
     after WARM_UP_STEPS steps; the model is thrown away afterwards, and torch's random state is kept."""
-    cores.adapt()  # measured with this process's share of the cores now, not the one it had a moment ago
     with torch.random.fork_rng(devices=[placement.device] if placement.device.type == "cuda" else []):
         model = AFTLM(config).to(placement.device).train()
         step = training_step(model, batch_size, config.context_length, placement.autocast)
@@ -65,7 +69,20 @@ def choose_recipe(
 ) -> recipe.Recipe:
     """The recipe for a fresh run (recipe.choose) among `presets`, measuring this machine's speed as it goes (a
     few seconds, before the budget's clock starts); with a time budget, planned at the speed the run will make
-    over it (`run_speed`). `sized(preset)`: the model and batch size the run would train."""
+    over it (`run_speed`). `sized(preset)`: the model and batch size the run would train.
+
+    Measured at the share of the cores the run will have (aftgen.cores): taken afresh once the runs started
+    beside it have registered, and measured again if it changed meanwhile (a run that came or went): a probe
+    that one of two runs started together took on every core, the other's beside it, planned both too slow."""
+    threads = cores.look()
+    chosen = _measured(options, train_tokens, presets, sized, placement)
+    if cores.look() != threads:
+        chosen = _measured(options, train_tokens, presets, sized, placement)
+    return chosen
+
+
+def _measured(options, train_tokens, presets, sized, placement) -> recipe.Recipe:
+    """choose_recipe's recipe, from one measurement of the machine."""
     dtype = _dtype(options.dtype, sized(presets[0]), placement)
     chosen = Placement(placement.device, DTYPES[dtype])
 
@@ -81,8 +98,8 @@ def choose_recipe(
     first = recipe.choose(*budget, speed, presets, dtype, step_tokens)
     if first.max_time is None:  # a budget in steps: no plan by speed
         return first
-    rate = run_speed(first, options, sized(first.preset), chosen)
-    planned = recipe.choose(*budget, lambda preset: rate, (first.preset,), dtype, step_tokens)
+    rate, checks = run_speed(first, options, sized(first.preset), chosen)
+    planned = recipe.choose(*budget, lambda preset: rate, (first.preset,), dtype, step_tokens, checks)
     # The regularisation stays the one chosen at the step's own speed, the one `rate` was measured with: the
     # checks' share of the time changes how many steps fit, not what the text needs.
     return replace(planned, dropout=first.dropout, weight_decay=first.weight_decay, ema=first.ema)
@@ -90,19 +107,23 @@ def choose_recipe(
 
 def run_speed(
     planned: recipe.Recipe, options: TrainOptions, model: tuple[AFTConfig, int], placement: Placement
-) -> float:
-    """Training tokens/s over the whole of `planned`'s time budget. Its step is timed again with the dropout it
-    will train with (the sizes were timed before the recipe chose one, and dropout 0.3 costs a small model about
-    a tenth of its step on a CPU), and its held-out checks take their share of the budget (two scores a check
-    with a weight average: 5% of a 5-minute run on 1 MB of prose here)."""
+) -> tuple[float, int]:
+    """Training tokens/s over the whole of `planned`'s time budget, and the held-out checks it makes. Its step
+    is timed again with the dropout it will train with (the sizes were timed before the recipe chose one, and
+    dropout 0.3 costs a small model about a tenth of its step on a CPU), and its checks take their share of the
+    budget (two scores a check with a weight average): CHECKS_PER_RUN of them, fewer where they would take more
+    than CHECKS_SHARE, or as many as the user's --eval-interval makes."""
     config, batch_size = model
     run = replace(planned, **options.given(RECIPE_FIELDS))  # the recipe with the user's options, as it will run
     rate = planned.tokens_per_s
     if run.dropout != config.dropout:
         rate = tokens_per_s(replace(config, dropout=run.dropout), batch_size, placement)
-    checks = planned.steps / run.eval_interval
-    spent = checks * (2 if run.ema else 1) * check_seconds(config, run.eval_windows, placement.device)
-    return rate * (1 - min(MOST_ON_CHECKS, spent / planned.max_time))
+    one_check = (2 if run.ema else 1) * check_seconds(config, run.eval_windows, placement.device)
+    if options.eval_interval:
+        checks = planned.steps / run.eval_interval
+        return rate * (1 - min(MOST_ON_CHECKS, checks * one_check / planned.max_time)), round(checks)
+    checks = max(1, min(recipe.CHECKS_PER_RUN, int(CHECKS_SHARE * planned.max_time / max(one_check, 1e-9))))
+    return rate * (1 - checks * one_check / planned.max_time), checks
 
 
 def check_seconds(config: AFTConfig, windows: int, device: torch.device) -> float:

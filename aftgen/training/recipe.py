@@ -132,13 +132,15 @@ def choose(
     presets: tuple[str, ...] = CANDIDATES,
     dtype: str = "fp32",
     step_tokens: Callable[[str], int] = tokens_per_step,
+    checks: int = CHECKS_PER_RUN,
 ) -> Recipe:
     """The recipe for `train_tokens` of training text within the budget.
 
     `speed(preset)` measures tokens/s of a preset on this machine (smallest preset first, and not
     beyond the first that is too slow; not at all for one preset and a budget in steps). `presets`
     are the sizes to choose among (one, when the user named it); `step_tokens(preset)` the tokens of
-    one of its steps (its batch and context length, or the user's).
+    one of its steps (its batch and context length, or the user's); `checks` the held-out checks spread
+    over the steps (the probe's, for a short time budget: fewer).
     """
     if max_time is None and max_steps is None:
         max_time = DEFAULT_BUDGET
@@ -172,7 +174,7 @@ def choose(
         ema=regularisation.ema,
         lr=LEARNING_RATES[chosen],
         warmup_steps=min(warmup, max(steps // 10, 1)),
-        eval_interval=_round(steps / CHECKS_PER_RUN),
+        eval_interval=_round(steps / checks),
         eval_windows=EVAL_WINDOWS,
         keep_best=True,
         patience=PATIENCE,
