@@ -248,7 +248,7 @@ class Server:
         inbox: asyncio.Queue = asyncio.Queue()
         ticket = self.engine.submit(parsed.work, inbox)
         scored = parsed.work.logprobs is not None
-        reply = Reply(chat, self.model_name, self.engine.tokenizer if scored else None)
+        reply = Reply(chat, self.model_name, self.engine.tokenizer if scored else None, parsed.work.logprobs or 0)
         watcher = asyncio.create_task(self._watch(request, ticket))
         try:
             first = await self._until_started(ticket, reply, stop_early=parsed.stream)

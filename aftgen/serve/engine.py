@@ -342,9 +342,8 @@ class Engine:
         scores = self._scores(rows, tokens)
         logits = self.batch.step(tokens)
         for row, token, row_logits, score in zip(rows, tokens.tolist(), logits.split(1), scores, strict=True):
-            if score is not None:  # where the token's text starts, then the score, as many alternatives as asked
-                _, logprob, top = score
-                row.held.append((row.echoed + row.stream.decoded, token, logprob, top[: row.ticket.work.logprobs]))
+            if score is not None:  # where the token's text starts, the token, its score record
+                row.held.append((row.echoed + row.stream.decoded, *score))
             self._text(row, row.stream.accept(token, row_logits))
         self._finish([row for row in rows if row.stream.done])
 

@@ -6,6 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from aftgen.sampling import read_score
 from aftgen.serve.work import Event, Finished, Score, Started, Text
 from aftgen.tokenizer import Tokenizer
 
@@ -27,6 +28,7 @@ class Reply:
     chat: bool
     model: str
     tokenizer: Tokenizer | None = None  # where the request asked for logprobs: their tokens' names
+    top: int = 0  # and how many alternatives a token it asked for
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     started: Started | None = None
@@ -87,13 +89,14 @@ class Reply:
         """OpenAI's `logprobs` of a choice or chunk: chat's {"content": [...]}, completions' parallel lists."""
         if self.tokenizer is None:
             return None
+        read = [(start, token, *read_score(record, self.top)) for start, token, record in scores]
         if self.chat:
-            return {"content": [self._chat_entry(token, logprob, top) for _, token, logprob, top in scores]}
+            return {"content": [self._chat_entry(token, logprob, top) for _, token, logprob, top in read]}
         return {
-            "tokens": [self.tokenizer.token_text(token) for _, token, _, _ in scores],
-            "token_logprobs": [logprob for _, _, logprob, _ in scores],
-            "top_logprobs": [None if logprob is None else self._named(top) for _, _, logprob, top in scores],
-            "text_offset": [start for start, _, _, _ in scores],
+            "tokens": [self.tokenizer.token_text(token) for _, token, _, _ in read],
+            "token_logprobs": [logprob for _, _, logprob, _ in read],
+            "top_logprobs": [None if logprob is None else self._named(top) for _, _, logprob, top in read],
+            "text_offset": [start for start, _, _, _ in read],
         }
 
     def _named(self, top: list[tuple[int, float]]) -> dict[str, float]:

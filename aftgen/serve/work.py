@@ -32,10 +32,9 @@ class Started:
     cached_tokens: int  # of prompt_tokens, those the prefix cache had already read
 
 
-# A token's score: where its text starts in the choice's text, its id, its log-probability (None: nothing came
-# before it to predict it) and the likeliest tokens' [id, log-probability], likeliest first. Lists, not objects:
-# the engine's process sends them as JSON.
-Score = tuple[int, int, float | None, list[tuple[int, float]]]
+# A token's score: where its text starts in the choice's text, its id and its score record (aftgen.sampling's
+# read_score: its log-probability and the likeliest tokens', as many as the engine's step drew for any row).
+Score = tuple[int, int, str]
 
 
 @dataclass
