@@ -34,8 +34,6 @@ LOOK_EVERY = 2.0  # seconds between two looks at the registry: a look costs abou
 IDLE_CPU = 0.2  # cores: a peer that says it is busy but used less than this since the last look is not (a
 # process that ran an aftgen command in-process and went on with other things, a chat waiting for its user)
 IDLE_AFTER = 1.0  # seconds without work before a server gives its share back (a client's next request is quick)
-JOINING = 1.0  # seconds: processes that join within this of each other were started together (one's interpreter
-# and torch import can lag the other's by this much), and a measurement of the machine waits for them
 ENTRY_LIMIT = 64 << 10  # bytes: an entry aftgen writes is under 4 KB; anything larger was not written by it
 PID_MAX = 1 << 22  # the most Linux's pid_max can be
 _ENTRY_NAME = re.compile(r"([0-9]{1,7})\.json")  # "<pid>.json": any other name in the folder is not ours to judge
@@ -166,7 +164,6 @@ class ThreadShare:
         self.most = max(1, cores - reserve)  # a server keeps a core for its HTTP side
         self.busy, self.say, self.clock = busy, say or _to_stderr, clock
         self.idle_since: float | None = None
-        self.joined = clock()
         self.threads, self.looked, self.reason = 0, float("-inf"), ""
         self.seen: dict[int, tuple[float, float]] = {}  # a peer's PID: when it was last looked at, its CPU seconds
         if registry is not None:
@@ -272,13 +269,9 @@ def claim(command: str, fixed: int | None = None, reserve: int = 0, busy: bool =
 
 
 def look() -> int:
-    """This process's share of the cores now, taken at once (not at adapt()'s next look), once the processes
-    started together with it have joined (JOINING after it did): what a measurement of the machine's speed
-    must run with. Before claim(), torch's threads as they are."""
-    if _share is None:
-        return torch.get_num_threads()
-    time.sleep(max(0.0, _share.joined + JOINING - _share.clock()))
-    return _share.look()
+    """This process's share of the cores now, taken at once (not at adapt()'s next look): what a measurement of
+    the machine's speed must run with. Before claim(), torch's threads as they are."""
+    return _share.look() if _share is not None else torch.get_num_threads()
 
 
 def adapt(busy: bool | None = None) -> None:

@@ -10,7 +10,7 @@ import torch
 from test_cores import Clock, peer
 
 from aftgen import cores
-from aftgen.cores import JOINING, Registry, ThreadShare
+from aftgen.cores import Registry, ThreadShare
 from aftgen.device import resolve
 from aftgen.model import AFTConfig
 from aftgen.training import probe, recipe
@@ -35,14 +35,12 @@ def options(max_time: float) -> TrainOptions:
 
 
 @pytest.fixture
-def joined(tmp_path, monkeypatch) -> Clock:
-    """This process in a registry of its own, alone when it joined (every core), some time ago."""
-    clock = Clock()
-    share = ThreadShare(Registry(tmp_path), "train", 2, say=lambda line: None, clock=clock)
+def joined(tmp_path, monkeypatch) -> None:
+    """This process in a registry of its own, alone when it joined (every core), its clock still (the probe
+    must look again for itself, not wait for the loop's next look)."""
+    share = ThreadShare(Registry(tmp_path), "train", 2, say=lambda line: None, clock=Clock())
     monkeypatch.setattr(cores, "_share", share)
     assert share.look() == 2
-    clock.now += JOINING
-    return clock
 
 
 def probed_threads(monkeypatch, when_timed=lambda: None) -> list[int]:

@@ -71,9 +71,10 @@ def choose_recipe(
     few seconds, before the budget's clock starts); with a time budget, planned at the speed the run will make
     over it (`run_speed`). `sized(preset)`: the model and batch size the run would train.
 
-    Measured at the share of the cores the run will have (aftgen.cores): taken afresh once the runs started
-    beside it have registered, and measured again if it changed meanwhile (a run that came or went): a probe
-    that one of two runs started together took on every core, the other's beside it, planned both too slow."""
+    Measured at the share of the cores the run will have (aftgen.cores): taken afresh first (a run started
+    beside this one registered as it started, while this one prepared its corpus), and measured again if it
+    changed meanwhile (a run that came or went): a probe that one of two runs started together took on every
+    core, the other's beside it, planned both too slow."""
     threads = cores.look()
     chosen = _measured(options, train_tokens, presets, sized, placement)
     if cores.look() != threads:
