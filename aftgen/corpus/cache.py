@@ -1,25 +1,36 @@
 """The preparation cache: one folder per corpus, keyed by a streamed hash of its files' contents.
 
     $AFTGEN_CACHE/corpora/<corpus key>/
-        tokenizer-<type>-<vocab size>.model
-        tokens-<key of the tokenizer and chunking>/
+        tokenizer-<type>-<vocab size>-<sample>.model
+        tokens-<key of the tokenizer and chunking>/    a set: the token files of one tokenizer
             held_out.bin, train.bin   token ids (uint16 or int32), a BOS before each document
             progress.json             while being written: how much of each file is complete
             tokens.json               written last: the token files are complete
+            .lock                     held while the set is prepared or checked
+            .in_use                   held (shared) by every process that uses the set; its time is its last use
 
 Token files only ever grow by whole chunks: each chunk's ids are appended and synced to disk, then
 progress.json is replaced atomically. A killed preparation leaves at worst a partial chunk past the
 recorded end, which the next run cuts off before it carries on from there.
+
+A corpus keeps the sets of its KEEP_SETS most recently used tokenizers: a run with a tokenizer used before
+starts at once, and trying vocabularies does not fill the disk. Older sets are removed when a run takes its
+own, but never one that another process holds in use. Tokenizers (kilobytes) are kept, so that a removed
+set is only encoded again, with the same tokenizer, never trained again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import shutil
 import stat
 import sys
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,6 +45,7 @@ from aftgen.files import (
     cache_dir,
     is_count,
     locked_file,
+    open_lock,
     open_regular,
     read_json,
     truncate,
@@ -41,7 +53,12 @@ from aftgen.files import (
 
 FORMAT = 1  # bump when what a cache entry holds changes
 PARTS = ("held_out", "train")
-PROGRESS, MANIFEST = "progress.json", "tokens.json"
+PROGRESS, MANIFEST, IN_USE = "progress.json", "tokens.json", ".in_use"
+SET_PREFIX, PRUNING = "tokens-", ".pruning-"
+# Token sets a corpus keeps (the most recently used): issue 49 measures four vocabularies on each corpus, and
+# each fits beside the others (a set is about the size of the text at 2 bytes a token and 2-3 characters a
+# token: four are ~3x the text); a fifth removes the least recently used.
+KEEP_SETS = 4
 _TORCH_DTYPES = {"uint16": torch.uint16, "int32": torch.int32}
 
 
@@ -93,6 +110,20 @@ class TokenFiles:
         self.folder.mkdir(parents=True, exist_ok=True)
         with locked_file(self.folder / ".lock"):
             yield
+
+    def use(self) -> InUse:
+        """Hold the set in use until the handle returned is closed or dropped, and mark it used now: another
+        process's pruning leaves it alone (a process preparing it holds it too, from before it starts)."""
+        while True:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = open_lock(self.folder / IN_USE)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if _names(self.folder / IN_USE, fd):
+                break
+            os.close(fd)  # the set was pruned between our open and our lock: take the one made now
+        now = time.time_ns()  # not the file system's coarser clock: two uses a millisecond apart keep their order
+        os.utime(fd, ns=(now, now))
+        return InUse(fd)
 
     def finished(self, warn: Warn) -> dict | None:
         """The manifest of complete token files, or None: never written, or damaged (`warn` hears why)."""
@@ -190,3 +221,71 @@ class TokenFiles:
         """A part's ids, memory-mapped (an empty tensor when there are none)."""
         dtype = _TORCH_DTYPES[self.dtype.name]
         return TokenFile(self.path(part), dtype, tokens) if tokens else torch.empty(0, dtype=dtype)
+
+
+class InUse:
+    """A set held in use: released when closed, or when the last reference to this is dropped."""
+
+    def __init__(self, fd: int):
+        self.close = weakref.finalize(self, os.close, fd)
+
+
+def prune(corpus: Path, kept: Path, log: Warn) -> None:
+    """Remove the token sets of the corpus folder `corpus` past its KEEP_SETS most recently used (`kept`, the one
+    just taken, is never removed), but none that another process holds in use; one line names those removed."""
+    sets = sorted(_sets(corpus), key=_last_used, reverse=True)
+    removed = {path.name: size for path in sets[KEEP_SETS:] if path != kept and (size := _remove_unused(path)) >= 0}
+    if removed:
+        log(
+            f"cache: removed {', '.join(removed)} ({sum(removed.values()) / 1e6:,.1f} MB) from {corpus}: the least "
+            f"recently used token files of the corpus, past the {KEEP_SETS} sets it keeps"
+        )
+
+
+def _sets(corpus: Path) -> list[Path]:
+    """The token sets in a corpus folder: folders named as sets (a link is none: its target is not the cache's)."""
+    with os.scandir(corpus) as entries:
+        return [Path(e.path) for e in entries if e.name.startswith(SET_PREFIX) and e.is_dir(follow_symlinks=False)]
+
+
+def _last_used(folder: Path) -> int:
+    """When the set was last used (its in-use lock file's time; the folder's, for a set made before them)."""
+    for path in (folder / IN_USE, folder):
+        with contextlib.suppress(OSError):
+            return os.lstat(path).st_mtime_ns
+    return 0
+
+
+def _remove_unused(folder: Path) -> int:
+    """Remove a set that no process holds in use: the bytes removed, or -1 (in use, or its lock file is not one
+    aftgen made). Renamed first, then deleted: a process that comes for the set meanwhile finds none and makes
+    it again, and a link inside is removed, never followed (shutil.rmtree's)."""
+    try:
+        fd = open_lock(folder / IN_USE)
+    except AftgenError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        size = _bytes(folder)
+        trash = folder.with_name(f"{PRUNING}{folder.name}-{os.getpid()}")
+        folder.rename(trash)
+        shutil.rmtree(trash)
+        return size
+    except OSError:  # BlockingIOError: in use
+        return -1
+    finally:
+        os.close(fd)
+
+
+def _bytes(folder: Path) -> int:
+    with os.scandir(folder) as entries:
+        return sum(e.stat(follow_symlinks=False).st_size for e in entries if e.is_file(follow_symlinks=False))
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether `path` is still the file open as `fd` (not removed, nor replaced, since it was opened)."""
+    try:
+        here, there = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aftgen.corpus.cache import TokenFiles, cache_key, corpus_folder
+from aftgen.corpus.cache import SET_PREFIX, InUse, TokenFiles, cache_key, corpus_folder, prune
 from aftgen.corpus.encode import CHUNK_CHARS, PIECE_CHARS, chunks, cpu_count, encoder, token_dtype
 from aftgen.corpus.progress import Advance, Meter
 from aftgen.corpus.sample import TOKENIZER_SAMPLE, sample, train_on_sample
@@ -115,6 +115,7 @@ class PreparedCorpus:
     folder: Path  # where the token files are
     digest: str  # the text's identity (Corpus.digest): a resumed run checks that it trains on the same
     summary: dict = field(default_factory=dict)
+    in_use: InUse | None = None  # holds the token files in use while this lives: no other run's pruning removes them
 
 
 def scan_corpus(sources: Sequence[Path | str], options: CorpusOptions, meter: Meter) -> Corpus:
@@ -183,15 +184,17 @@ def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, meter: Meter) -> Prepare
     }
     spans = {"held_out": corpus.split.held_out, "train": corpus.split.train}
     chars = {part: [span.chars for span in part_spans] for part, part_spans in spans.items()}
-    folder = corpus.folder / f"tokens-{cache_key(settings)}"
+    folder = corpus.folder / f"{SET_PREFIX}{cache_key(settings)}"
     files = TokenFiles(folder, token_dtype(tokenizer.vocab_size), chars, tokenizer.vocab_size)
+    in_use = files.use()
+    prune(corpus.folder, folder, meter.log)  # before this set is written: room made first
     with files.locked():
         manifest = files.finished(meter.log)
         if manifest is None:
             if files.resume(meter.log):
                 meter.log(f"continuing the preparation left unfinished in {files.folder}")
             manifest = _encode(corpus, tokenizer, files, meter)
-    return _prepared(corpus, tokenizer, files, manifest)
+    return _prepared(corpus, tokenizer, files, manifest, in_use)
 
 
 def _encode(corpus: Corpus, tokenizer: Tokenizer, files: TokenFiles, meter: Meter) -> dict:
@@ -230,7 +233,7 @@ def _chunks(corpus: Corpus, spans: Sequence[Span], progress: dict, advance: Adva
             yield index, chunk
 
 
-def _prepared(corpus: Corpus, tokenizer: Tokenizer, files: TokenFiles, manifest: dict) -> PreparedCorpus:
+def _prepared(corpus: Corpus, tokenizer: Tokenizer, files: TokenFiles, manifest: dict, in_use: InUse) -> PreparedCorpus:
     parts = manifest["parts"]
     held_out = corpus.held_out | {"bytes": parts["held_out"]["bytes"], "tokens": parts["held_out"]["tokens"]}
     summary = {
@@ -251,6 +254,7 @@ def _prepared(corpus: Corpus, tokenizer: Tokenizer, files: TokenFiles, manifest:
         folder=files.folder,
         digest=corpus.digest,
         summary=summary,
+        in_use=in_use,
     )
 
 
