@@ -57,7 +57,7 @@ PROGRESS, MANIFEST, IN_USE = "progress.json", "tokens.json", ".in_use"
 SET_PREFIX, PRUNING = "tokens-", ".pruning-"
 # Token sets a corpus keeps (the most recently used): issue 49 measures four vocabularies on each corpus, and
 # each fits beside the others (a set is about the size of the text at 2 bytes a token and 2-3 characters a
-# token: four are ~3x the text); a fifth removes the least recently used.
+# token: four are three to four times the text); a fifth removes the least recently used.
 KEEP_SETS = 4
 _TORCH_DTYPES = {"uint16": torch.uint16, "int32": torch.int32}
 
