@@ -231,7 +231,7 @@ def _take_lock(path: Path, warn: Callable[[str], None]) -> int:
         except OSError as exc:  # a file system without locks
             os.close(fd)
             raise AftgenError(f"cannot lock {path.parent} ({exc.strerror or exc})") from None
-        if _same_file(fd, path):
+        if still_names(path, fd):
             break
         os.close(fd)  # its holder removed it as it ended, between our open and our flock: lock the new one
     if not _holds_a_pid(fd):
@@ -305,9 +305,11 @@ def _holds_a_pid(fd: int) -> bool:
     return len(text) <= 32 and (text.strip() == b"" or text.strip().isdigit())
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def still_names(path: Path | str, fd: int) -> bool:
+    """Whether `path` is still the file open as `fd`: not removed, nor replaced (a link there is not it), since
+    it was opened. A lock taken on a file that its holder removed meanwhile locks nothing."""
     try:
-        here, there = os.fstat(fd), os.stat(path)
+        here, there = os.fstat(fd), os.lstat(path)
     except OSError:
         return False
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)

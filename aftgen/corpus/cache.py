@@ -48,6 +48,7 @@ from aftgen.files import (
     open_lock,
     open_regular,
     read_json,
+    still_names,
     truncate,
 )
 
@@ -118,7 +119,7 @@ class TokenFiles:
             self.folder.mkdir(parents=True, exist_ok=True)
             fd = open_lock(self.folder / IN_USE)
             fcntl.flock(fd, fcntl.LOCK_SH)
-            if _names(self.folder / IN_USE, fd):
+            if still_names(self.folder / IN_USE, fd):
                 break
             os.close(fd)  # the set was pruned between our open and our lock: take the one made now
         now = time.time_ns()  # not the file system's coarser clock: two uses a millisecond apart keep their order
@@ -280,12 +281,3 @@ def _remove_unused(folder: Path) -> int:
 def _bytes(folder: Path) -> int:
     with os.scandir(folder) as entries:
         return sum(e.stat(follow_symlinks=False).st_size for e in entries if e.is_file(follow_symlinks=False))
-
-
-def _names(path: Path, fd: int) -> bool:
-    """Whether `path` is still the file open as `fd` (not removed, nor replaced, since it was opened)."""
-    try:
-        here, there = os.fstat(fd), os.lstat(path)
-    except OSError:
-        return False
-    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
