@@ -6,7 +6,7 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,8 @@ from aftgen.options import flag
 from aftgen.tokenizer import TOKENIZER_TYPES, Tokenizer
 
 MAX_WORKERS = 1024  # encoding processes, all started at once: a bound that no machine's cores reach
+# A new tokenizer's vocabulary chosen from the slices it will train on and the training split's characters.
+VocabularyRule = Callable[[list[str], int], int]
 
 
 @dataclass
@@ -152,13 +154,11 @@ def _size(path: Path) -> int:
         return 0
 
 
-def corpus_tokenizer(corpus: Corpus, meter: Meter) -> Tokenizer:
-    """The corpus's tokenizer: trained on a sample of its training split, cached beside its token files."""
-    options = corpus.options
-    path = corpus.folder / f"tokenizer-{options.tokenizer_type}-{options.vocab_size}-{options.tokenizer_sample}.model"
-    if path.exists():
-        with contextlib.suppress(AftgenError):  # a damaged cache entry is simply made again
-            return Tokenizer.load(path)
+def corpus_tokenizer(corpus: Corpus, meter: Meter, vocabulary: VocabularyRule | None = None) -> Tokenizer:
+    """The corpus's tokenizer: trained on a sample of its training split, cached beside its token files; of the
+    size `vocabulary` chooses from that sample and the split's characters, where given."""
+    if vocabulary is None and (cached := _cached_tokenizer(corpus)) is not None:
+        return cached
     spans = corpus.split.train
     total = sum(span.chars for span in spans)
     if not total:  # one character, and the held-out split took it
@@ -168,10 +168,27 @@ def corpus_tokenizer(corpus: Corpus, meter: Meter) -> Tokenizer:
             "out; give it more text"
         )
     with meter.phase("sampling", corpus.bytes_of(spans)) as advance:
-        slices = sample((corpus.read(span, advance) for span in spans), total, options.tokenizer_sample)
-    tokenizer = train_on_sample(slices, total, options, meter.log)
-    atomic_write(path, tokenizer.model_proto)
+        slices = sample((corpus.read(span, advance) for span in spans), total, corpus.options.tokenizer_sample)
+    if vocabulary is not None:
+        corpus.options = replace(corpus.options, vocab_size=vocabulary(slices, total))
+        if (cached := _cached_tokenizer(corpus)) is not None:
+            return cached
+    tokenizer = train_on_sample(slices, total, corpus.options, meter.log)
+    atomic_write(_tokenizer_path(corpus), tokenizer.model_proto)
     return tokenizer
+
+
+def _tokenizer_path(corpus: Corpus) -> Path:
+    options = corpus.options
+    return corpus.folder / f"tokenizer-{options.tokenizer_type}-{options.vocab_size}-{options.tokenizer_sample}.model"
+
+
+def _cached_tokenizer(corpus: Corpus) -> Tokenizer | None:
+    path = _tokenizer_path(corpus)
+    if path.exists():
+        with contextlib.suppress(AftgenError):  # a damaged cache entry is simply made again
+            return Tokenizer.load(path)
+    return None
 
 
 def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, meter: Meter) -> PreparedCorpus:
@@ -264,13 +281,15 @@ def prepare_corpus(
     log: Callable[[str], None] | None = None,
     tokenizer: Tokenizer | None = None,
     world: World | None = None,
+    vocabulary: VocabularyRule | None = None,
 ) -> PreparedCorpus:
     """Make `sources` (text files and folders) ready to train on, or open what an earlier run prepared.
 
     `log` None shows progress on stderr (a bar on a terminal); a function gets the messages and no
     progress. With `tokenizer` (a resumed run's), only token files are made. Under torchrun (`world`),
     rank 0 trains the tokenizer and sends it to the others, and one process per machine writes the
-    token files while the others on it wait.
+    token files while the others on it wait. `vocabulary(sample, training characters)` chooses the new
+    tokenizer's size from the slices it will train on (aftgen.training.vocabulary); else options.vocab_size.
     """
     options = options or CorpusOptions()
     options.check()
@@ -278,7 +297,7 @@ def prepare_corpus(
     corpus = scan_corpus(sources, options, meter)
     world = world or World()
     if tokenizer is None:
-        proto = corpus_tokenizer(corpus, meter).model_proto if world.main else None
+        proto = corpus_tokenizer(corpus, meter, vocabulary).model_proto if world.main else None
         tokenizer = Tokenizer(world.share_bytes(proto))
     first_on_machine = local_rank() == 0
     if not first_on_machine:

@@ -32,7 +32,14 @@ from aftgen.training.averaging import WeightAverage
 from aftgen.training.base import BaseModel
 from aftgen.training.optimizer import learning_rate, make_optimizer, set_learning_rate
 from aftgen.training.options import TrainOptions
-from aftgen.training.plan import Plan, refuse_changes, refuse_contradictions, settle
+from aftgen.training.plan import (
+    Plan,
+    VocabularyChooser,
+    refuse_changes,
+    refuse_contradictions,
+    settle,
+    vocabulary_chooser,
+)
 from aftgen.training.progress import Interrupts, Reporter
 from aftgen.training.run_folder import RunFolder, TrainingState, claimed, describe_run
 from aftgen.training.state_file import Resumed
@@ -72,8 +79,9 @@ def _train(options: TrainOptions, placement: Placement, world: World, quiet: boo
     with claimed(options, world, warn) as resumed, Reporter(quiet or not world.main) as reporter:
         if resumed is not None:
             refuse_contradictions(options, resumed)
-        corpus = _load_corpus(options, base, world, quiet)
-        plan = settle(options, corpus, placement, world, base, resumed, reporter.log)
+        chooser = vocabulary_chooser(options, placement, reporter.log) if base is None and resumed is None else None
+        corpus = _load_corpus(options, base, world, quiet, chooser)
+        plan = settle(options, corpus, placement, world, base, resumed, reporter.log, chooser and chooser.choice)
         placement = resolve(placement.device, plan.options.dtype)
         training, folder = _start(plan, corpus, base, resumed, placement, world, reporter.log)
         run = Run(plan, folder, corpus, training, placement, world, reporter, on_eval)
@@ -89,12 +97,14 @@ def _train(options: TrainOptions, placement: Placement, world: World, quiet: boo
     return folder.path
 
 
-def _load_corpus(options: TrainOptions, base: BaseModel | None, world: World, quiet: bool) -> PreparedCorpus:
-    """The corpus prepared (aftgen.corpus: rank 0 trains the tokenizer unless the run has one, one
-    process per machine writes the token files)."""
+def _load_corpus(
+    options: TrainOptions, base: BaseModel | None, world: World, quiet: bool, chooser: VocabularyChooser | None
+) -> PreparedCorpus:
+    """The corpus prepared (aftgen.corpus: rank 0 trains the tokenizer unless the run has one, of the size
+    `chooser` chooses where given; one process per machine writes the token files)."""
     tokenizer = Tokenizer.load(options.run_folder / TOKENIZER) if options.resume else base and base.tokenizer
     log = (lambda _: None) if quiet or not world.main else None
-    return prepare_corpus(options.sources(), options.corpus_options(), log, tokenizer, world)
+    return prepare_corpus(options.sources(), options.corpus_options(), log, tokenizer, world, chooser)
 
 
 def _start(

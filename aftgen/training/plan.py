@@ -24,6 +24,7 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
+from aftgen import cores
 from aftgen.corpus import CorpusOptions, PreparedCorpus
 from aftgen.device import Placement
 from aftgen.distributed import World
@@ -32,7 +33,7 @@ from aftgen.files import shown
 from aftgen.mixers import shaping_fields
 from aftgen.model import PRESETS, AFTConfig
 from aftgen.options import flag
-from aftgen.training import probe, recipe
+from aftgen.training import probe, recipe, vocabulary
 from aftgen.training.base import BaseModel
 from aftgen.training.options import (
     ARCHITECTURE,
@@ -77,16 +78,58 @@ def settle(
     base: BaseModel | None = None,
     resumed: Resumed | None = None,
     log: Callable[[str], None] = print,
+    vocabulary_choice: vocabulary.Choice | None = None,
 ) -> Plan:
-    """The run's plan: the options the user left out filled from the layers above, in their order, then checked."""
+    """The run's plan: the options the user left out filled from the layers above, in their order, then checked.
+    `vocabulary_choice`: how the corpus's tokenizer got its size (VocabularyChooser), for the record."""
     options, chosen = _layered(options, corpus, placement, world, resumed, log)
     config, batch_size = _model(options, corpus.tokenizer.vocab_size, base, resumed)
     recorded_recipe = resumed.recipe if resumed else chosen and chosen.to_dict()
+    if recorded_recipe is not None and vocabulary_choice is not None:
+        recorded_recipe |= {"vocabulary": vocabulary_choice.to_dict()}
     if resumed is not None:
         refuse_other_corpus(options, corpus, resumed)
     plan = Plan(options, config, batch_size, corpus.held_out, recorded_recipe, corpus.digest)
     _check(plan, corpus)
     return plan
+
+
+class VocabularyChooser:
+    """A fresh run's vocabulary, chosen from the tokenizer's sample as the corpus is prepared (corpus.VocabularyRule;
+    aftgen.training.vocabulary): each candidate's step timed at the run's preset and share of the cores. `choice`
+    holds what it chose, once it has."""
+
+    def __init__(self, options: TrainOptions, budget_s: float, placement: Placement, log: Callable[[str], None]):
+        self.options, self.budget_s, self.placement, self.log = options, budget_s, placement, log
+        self.choice: vocabulary.Choice | None = None
+
+    def __call__(self, slices: list[str], train_chars: int) -> int:
+        if train_chars < vocabulary.TOO_SMALL:
+            self.choice = vocabulary.Choice(vocabulary.DEFAULT, "too little text to measure: the text is the limit")
+        else:
+            cores.look()  # the share of the cores the run will have, as the recipe's probe takes it
+            sized = _fresh_model(self.options, vocabulary.DEFAULT)
+            preset = self.options.preset or SIZES_PRESET
+
+            def speed(vocab: int) -> float:
+                return probe.tokens_per_s(*_fresh_model(self.options, vocab)(preset), self.placement)
+
+            sized(preset)  # the user's sizes refused before anything is measured
+            tokenizer_type = self.options.tokenizer_type or CorpusOptions.tokenizer_type
+            candidates = vocabulary.measure(slices, tokenizer_type, speed, self.log)
+            self.choice = vocabulary.choose(candidates, train_chars, self.budget_s)
+        self.log(self.choice.describe())
+        return self.choice.vocab
+
+
+def vocabulary_chooser(
+    options: TrainOptions, placement: Placement, log: Callable[[str], None]
+) -> VocabularyChooser | None:
+    """How a fresh run with a time budget chooses its vocabulary; None where it keeps the one it has or is given:
+    --vocab-size, fine-tuning, a resumed run, a character tokenizer, or a budget in steps alone."""
+    budget = options.max_time if options.max_time is not None else None if options.max_steps else recipe.DEFAULT_BUDGET
+    keeps = options.vocab_size is not None or options.init_from or options.resume or options.tokenizer_type == "char"
+    return None if keeps or budget is None else VocabularyChooser(options, budget, placement, log)
 
 
 def _layered(options, corpus, placement, world, resumed, log) -> tuple[TrainOptions, recipe.Recipe | None]:

@@ -47,7 +47,7 @@ FASTER_ENOUGH = 1.15  # bf16 autocast is chosen on a CPU only when measured at l
 # `aftgen bench mixers` gives them as the user's own options, so they win over every default (training/plan.py).
 FIXED = {"preset": "small", "activation": "gelu", "optimizer": "adamw", "dropout": 0.0,
          "weight_decay": 0.1, "ema": 0.0, "lr": 2e-3, "warmup_steps": 100, "keep_best": False,
-         "patience": 0}  # fmt: skip
+         "patience": 0, "vocab_size": 1024}  # fmt: skip
 
 
 @dataclass(frozen=True)
