@@ -3,6 +3,7 @@ with those options for a fixed wall-time budget, then score the run on the corpu
 
     python scripts/recipe_grid.py ../corpora/debian-docs-10mb --budget 300 --vocab 512,1024,2048,4096 \
         --preset small,medium --context 1,2 --results grid.jsonl
+    python scripts/recipe_grid.py --results grid.jsonl --report docs/recipe-vocabulary.png
 
 A corpus folder holds train.txt and held_out.txt (scripts/make_corpora.py makes them). Each run appends one
 JSON line to --results: its options, the steps it made, the characters a token, the share of a token's
@@ -69,9 +70,39 @@ def key(row: dict) -> tuple:
     return row["corpus"], row["budget_s"], row["vocab"], row["preset"], row["context"]
 
 
+def report(rows: list[dict], picture: Path) -> None:
+    """The results as a Markdown table on stdout, and held-out nats/char against the vocabulary, a line for each
+    corpus, budget, preset and context, drawn to `picture`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    print("| corpus | budget | preset | context | vocabulary | chars/token | logits' share | steps | chars read | "
+          "nats/char |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    lines: dict[tuple, list[dict]] = {}
+    for row in sorted(rows, key=lambda row: (*key(row)[:2], *key(row)[3:], row["vocab"])):
+        tokens = row["steps"] * row["context"] * PRESETS[row["preset"]]["batch_size"]
+        print(f"| {row['corpus']} | {row['budget_s']} s | {row['preset']} | {row['context']} | {row['vocab']} | "
+              f"{row['chars_per_token']:.2f} | {row['logits_share']:.0%} | {row['steps']:,} | "
+              f"{tokens * row['chars_per_token'] / 1e6:.1f}M | {row['nats_per_char']:.4f} |")  # fmt: skip
+        lines.setdefault((row["corpus"], row["budget_s"], row["preset"], row["context"]), []).append(row)
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for (corpus, budget, preset, context), points in lines.items():
+        label = f"{corpus}, {budget} s, {preset}, context {context}"
+        axes.plot([p["vocab"] for p in points], [p["nats_per_char"] for p in points], marker="o", label=label)
+    axes.set(xscale="log", xlabel="vocabulary (pieces)", ylabel="held-out nats/char")
+    axes.set_xticks([512, 1024, 2048, 4096], ["512", "1,024", "2,048", "4,096"])
+    axes.minorticks_off()
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(picture, dpi=100)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("corpus", type=Path, help="a folder with train.txt and held_out.txt")
+    parser.add_argument("corpus", type=Path, nargs="?", help="a folder with train.txt and held_out.txt")
+    parser.add_argument("--report", type=Path, help="write no runs: the results' table, and their plot here")
     parser.add_argument("--budget", type=int, default=300, help="seconds of training a run")
     parser.add_argument("--vocab", default="512,1024,2048,4096")
     parser.add_argument("--preset", default="small")
@@ -79,6 +110,11 @@ def main() -> None:
     parser.add_argument("--results", type=Path, required=True)
     parser.add_argument("--runs", type=Path, default=Path("/tmp/recipe-grid"), help="where the runs go")
     args = parser.parse_args()
+    if args.report:
+        lines = read_text(args.results, RESULTS_LIMIT, "the grid's results").splitlines()
+        return report([json.loads(line) for line in lines if line.strip()], args.report)
+    if args.corpus is None:
+        parser.error("give a corpus folder to measure, or --report")
     done = done_keys(args.results)
     if not args.results.exists():
         atomic_write(args.results, b"")

@@ -32,6 +32,7 @@ from aftgen.options import (
 )
 from aftgen.sampling import check_seed
 from aftgen.tokenizer import TOKENIZER_TYPES
+from aftgen.training import vocabulary
 from aftgen.training.recipe import CANDIDATES, DEFAULT_BUDGET, EVAL_WINDOWS
 
 # AFTConfig fields a run may set (the rest come from the tokenizer).
@@ -164,7 +165,11 @@ class TrainOptions:
     )
     seed: int = _training(1337, "Seeds the weights, the batches and dropout.")
     vocab_size: int | None = option(
-        None, f"Default: {CorpusOptions.vocab_size} (fine-tuning: the base model's).", POSITIVE, DATA_PANEL
+        None,
+        f"Default: the recipe's, of {', '.join(map(str, vocabulary.CANDIDATES))} (with a budget in steps: "
+        f"{CorpusOptions.vocab_size}; fine-tuning: the base model's).",
+        POSITIVE,
+        DATA_PANEL,
     )
     tokenizer_type: str | None = option(
         None, f"{_listed('tokenizer_type')} (default: {CorpusOptions.tokenizer_type}).", panel=DATA_PANEL
