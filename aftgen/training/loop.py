@@ -79,7 +79,7 @@ def _train(options: TrainOptions, placement: Placement, world: World, quiet: boo
     with claimed(options, world, warn) as resumed, Reporter(quiet or not world.main) as reporter:
         if resumed is not None:
             refuse_contradictions(options, resumed)
-        chooser = vocabulary_chooser(options, placement, reporter.log) if base is None and resumed is None else None
+        chooser = vocabulary_chooser(options, placement, reporter.log)
         corpus = _load_corpus(options, base, world, quiet, chooser)
         plan = settle(options, corpus, placement, world, base, resumed, reporter.log, chooser and chooser.choice)
         placement = resolve(placement.device, plan.options.dtype)

@@ -104,20 +104,15 @@ class VocabularyChooser:
         self.choice: vocabulary.Choice | None = None
 
     def __call__(self, slices: list[str], train_chars: int) -> int:
-        if train_chars < vocabulary.TOO_SMALL:
-            self.choice = vocabulary.Choice(vocabulary.DEFAULT, "too little text to measure: the text is the limit")
-        else:
-            cores.look()  # the share of the cores the run will have, as the recipe's probe takes it
-            sized = _fresh_model(self.options, vocabulary.DEFAULT)
-            preset = self.options.preset or SIZES_PRESET
+        preset = self.options.preset or SIZES_PRESET
+        _fresh_model(self.options, vocabulary.DEFAULT)(preset)  # the user's sizes refused before anything is measured
+        cores.look()  # the share of the cores the run will have, as the recipe's probe takes it
 
-            def speed(vocab: int) -> float:
-                return probe.tokens_per_s(*_fresh_model(self.options, vocab)(preset), self.placement)
+        def speed(vocab: int) -> float:
+            return probe.tokens_per_s(*_fresh_model(self.options, vocab)(preset), self.placement)
 
-            sized(preset)  # the user's sizes refused before anything is measured
-            tokenizer_type = self.options.tokenizer_type or CorpusOptions.tokenizer_type
-            candidates = vocabulary.measure(slices, tokenizer_type, speed, self.log)
-            self.choice = vocabulary.choose(candidates, train_chars, self.budget_s)
+        tokenizer_type = self.options.tokenizer_type or CorpusOptions.tokenizer_type
+        self.choice = vocabulary.decide(slices, train_chars, self.budget_s, tokenizer_type, speed, self.log)
         self.log(self.choice.describe())
         return self.choice.vocab
 

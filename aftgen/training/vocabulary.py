@@ -75,6 +75,17 @@ def choose(candidates: Sequence[Candidate], train_chars: int, budget_s: float) -
     return Choice(best.vocab, f"it reads {gain:.0%} more text in the budget than {DEFAULT}", measured)
 
 
+def decide(
+    slices: list[str], train_chars: int, budget_s: float, tokenizer_type: str, speed: Callable[[int], float],
+    log: Callable[[str], None],
+) -> Choice:  # fmt: skip
+    """The vocabulary for `train_chars` of training text in `budget_s` seconds: the default below TOO_SMALL, else
+    `choose` from the candidates as `measure` finds them on `slices` (the tokenizer's training text)."""
+    if train_chars < TOO_SMALL:
+        return Choice(DEFAULT, "too little text to measure: the text is the limit")
+    return choose(measure(slices, tokenizer_type, speed, log), train_chars, budget_s)
+
+
 def measure(
     slices: list[str], tokenizer_type: str, speed: Callable[[int], float], log: Callable[[str], None]
 ) -> list[Candidate]:
