@@ -26,10 +26,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from aftgen.aoti import PackageRunner, UnlockedRunner
-from aftgen.compiled_cache import CacheUnusable, cached_package
+from aftgen.compiled_cache import CacheUnusable, cached_package, compiled_folder
 from aftgen.device import Compiled, failure_line
 from aftgen.errors import AftgenError
-from aftgen.files import atomic_open, cache_dir
+from aftgen.files import atomic_open
 from aftgen.layers import Linear, linear, token_order_sums, written_products
 from aftgen.mixers import MIXERS, MixerState, make_mixer
 
@@ -324,11 +324,6 @@ def tokens_read(state: ModelState) -> int:
 
 StepFunction = Callable[[torch.Tensor, ModelState], tuple[torch.Tensor, ModelState]]
 PrefillFunction = Callable[..., tuple[torch.Tensor, ModelState]]
-
-
-def compiled_folder() -> Path:
-    """Where compiled code is kept: in aftgen's cache folder, which outlives a reboot (unlike /tmp)."""
-    return cache_dir() / "compiled"
 
 
 def use_persistent_compile_cache() -> None:
