@@ -41,24 +41,42 @@ def _record_of(package: Path) -> Path:
     return package.with_suffix(".json")
 
 
+def compiled_folder() -> Path:
+    """Where compiled code is kept: in aftgen's cache folder, which outlives a reboot (unlike /tmp)."""
+    return files.cache_dir() / "compiled"
+
+
 def cached_package(package: Path, build: Callable[[Path], None]) -> tuple[Path, str]:
     """`package`, its library beside it, and " (from the cache)" where the cache holds both as recorded;
     else both built now (`build(package)` writes the package) and recorded, and ""."""
-    _check_folder(package.parent)
-    # One process at a time: another one starting meanwhile would take a package built but not yet recorded
+    return _cached(package, {"package": package, "library": library_of(package)}, build, _record_package)
+
+
+def cached_library(library: Path, build: Callable[[Path], None]) -> tuple[Path, str]:
+    """A shared library of aftgen's own (aftgen.rowdot) that `build(library)` writes, checked and recorded as a
+    package is; and " (from the cache)" where the cache held it intact."""
+    return _cached(library, {"library": library}, build, _record_library)
+
+
+def _cached(
+    path: Path, recorded: dict[str, Path], build: Callable[[Path], None], record: Callable[[Path], None]
+) -> tuple[Path, str]:
+    """`path` as the cache holds it where each of `recorded`'s files matches its record, else built again."""
+    _check_folder(path.parent)
+    # One process at a time: another one starting meanwhile would take a file built but not yet recorded
     # for a damaged one and delete it, and two compiling at once each take twice as long on a few cores.
-    with files.locked_file(package.with_suffix(".lock")):
-        if os.path.lexists(package):
-            damage = _damage(package)
+    with files.locked_file(path.with_suffix(".lock")):
+        if os.path.lexists(path):
+            damage = _damage(path, recorded)
             if not damage:
-                return package, " (from the cache)"
+                return path, " (from the cache)"
             print(f"warning: the compiled step in the cache was damaged ({damage}): compiling it again",
                   file=sys.stderr, flush=True)  # fmt: skip
-        for path in (package, library_of(package), _record_of(package)):  # what a rebuild could not write over
-            _delete(path)
-        build(package)
-        _record(package)
-    return package, ""
+        for stale in (*recorded.values(), _record_of(path)):  # what a rebuild could not write over
+            _delete(stale)
+        build(path)
+        record(path)
+    return path, ""
 
 
 def _check_folder(folder: Path) -> None:
@@ -71,14 +89,14 @@ def _check_folder(folder: Path) -> None:
         raise CacheUnusable(f"cannot create {folder} ({exc.strerror or exc}) for the compiled step") from None
 
 
-def _damage(package: Path) -> str:
-    """Why the cache's package or library differs from its record ("" where both match it)."""
+def _damage(path: Path, files_of: dict[str, Path]) -> str:
+    """Why one of the cache's files of `path` differs from its record ("" where all match it)."""
     try:
-        record = files.read_json(_record_of(package), RECORD_LIMIT, "a compiled step's record")
+        record = files.read_json(_record_of(path), RECORD_LIMIT, "a compiled step's record")
     except AftgenError as exc:
-        return files.shown(exc) if os.path.lexists(_record_of(package)) else "no record of its files"
+        return files.shown(exc) if os.path.lexists(_record_of(path)) else "no record of its files"
     recorded = record if isinstance(record, dict) else {}
-    for name, path in (("package", package), ("library", library_of(package))):
+    for name, path in files_of.items():
         try:
             found = _fingerprint(path)
         except AftgenError as exc:
@@ -92,6 +110,11 @@ def _fingerprint(path: Path) -> dict:
     """The size and SHA-256 of the regular file at `path`."""
     with files.open_regular(path, FILE_LIMIT, WHAT) as handle:
         return _read_fingerprint(handle, path)
+
+
+def _record_library(library: Path) -> None:
+    """Record the library as written: nothing was read back from it yet, so what is recorded was built."""
+    files.atomic_write(_record_of(library), json.dumps({"library": _fingerprint(library)}), durable=False)
 
 
 def _read_fingerprint(handle: BinaryIO, path: Path) -> dict:
@@ -112,7 +135,7 @@ def _delete(path: Path) -> None:
         ) from None
 
 
-def _record(package: Path) -> None:
+def _record_package(package: Path) -> None:
     """Extract the package's library beside it, check what was written, and record both files. Neither needs
     an fsync: a crash that loses one leaves a file that differs from the record, which the next start rebuilds."""
     with files.open_regular(package, FILE_LIMIT, WHAT) as handle:  # one handle: the package recorded is the one read

@@ -1,0 +1,106 @@
+"""The batch-invariant matrix product: y = x @ wᵀ with every output summed in one order, however many rows x has.
+
+The matrix libraries' kernels change how they split and order a product's sums with the number of rows (MKL's
+float32 ones for any batch, oneDNN's bf16 ones past 32 rows), so the same row rounds differently alone and in a
+batch, and a seeded request's text would depend on the requests beside it. rowdot.cpp sums output (m, n) from
+row m of x and row n of w alone, in an order fixed by the machine and w's shape:
+
+- with bf16 weights on a CPU with AMX, C^T = w xᵀ in 16 x 16 tiles, w's rows read in place as the tiles' A
+  operand (no packing) and x rounded to bf16. Faster than the libraries at 1 row and at 32 (docs/benchmarks.md);
+- otherwise 16 partial sums an output, input k into sum k mod 16, then a fixed tree.
+
+It is built with the C++ compiler that compiles the step (Inductor's) into aftgen's cache on first use, a
+second or two, and loaded with its symbols global: a step package calls `aoti_torch_cpu_rowdot` through
+AOTInductor's custom-op shims (SHIMS), and eager code through `torch.ops.aftgen.rowdot`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from aftgen.compiled_cache import cached_library, compiled_folder
+from aftgen.errors import AftgenError
+from aftgen.files import shown
+
+SOURCE = Path(__file__).with_name("rowdot.cpp")
+# How a step package calls it (AOTInductor's custom-op shims): the C declaration of rowdot.cpp's entry point.
+SHIM = "AOTITorchError aoti_torch_cpu_rowdot(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]  # no -march: the kernel is chosen as it runs
+BUILD_TIMEOUT = 300  # seconds: a compiler that hangs is not waited for
+
+
+class RowdotUnavailable(AftgenError):
+    """The product's library cannot be built here (no C++ compiler, or it failed): the message says why."""
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The product's library, built into aftgen's cache if it is not there intact, and loaded with its symbols
+    global (step packages resolve `aoti_torch_cpu_rowdot` from it)."""
+    path, _ = cached_library(compiled_folder() / f"rowdot-{_key()}.so", _build)
+    loaded = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    loaded.aftgen_rowdot.restype = None
+    loaded.aftgen_rowdot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
+    loaded.aftgen_rowdot_kernel.restype = ctypes.c_char_p
+    loaded.aftgen_rowdot_kernel.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return loaded
+
+
+def kernel(weight: torch.Tensor) -> str:
+    """The kernel a weight (N, K) goes through on this machine: "amx" or "vector"."""
+    is_bf16 = weight.dtype == torch.bfloat16
+    return library().aftgen_rowdot_kernel(is_bf16, weight.shape[0], weight.shape[1]).decode()
+
+
+def _compiler() -> str:
+    return torch._inductor.cpp_builder.get_cpp_compiler()
+
+
+def _key() -> str:
+    """What the library depends on: its source, torch's headers (their version) and the compiler's flags."""
+    facts = [torch.__version__, platform.machine(), _compiler(), *FLAGS]
+    return hashlib.sha256(SOURCE.read_bytes() + repr(facts).encode()).hexdigest()[:20]
+
+
+def _build(path: Path) -> None:
+    """Compile rowdot.cpp into `path`: in a folder of its own (the linker would write through a link planted at
+    its output), then renamed over `path` (another process may be loading it)."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    with tempfile.TemporaryDirectory(dir=path.parent) as folder:
+        built = Path(folder) / path.name
+        command = [_compiler(), *FLAGS, *(f"-I{include}" for include in include_paths()), str(SOURCE), "-o", str(built)]
+        command += [f"-L{lib}" for lib in library_paths()] + ["-ltorch_cpu", "-lc10"]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RowdotUnavailable(f"cannot build the batch-invariant product ({exc})") from None
+        if done.returncode:
+            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            raise RowdotUnavailable(f"cannot build the batch-invariant product: {_compiler()} said: {shown(last)}")
+        built.replace(path)
+
+
+@torch.library.custom_op("aftgen::rowdot", mutates_args=())
+def rowdot(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 @ weight (N, K)ᵀ in float32 or bf16 → (M, N) float32, each output summed in one
+    order whatever M is."""
+    x, weight = x.contiguous(), weight.contiguous()
+    y = x.new_empty(x.shape[0], weight.shape[0])
+    library().aftgen_rowdot(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.dtype == torch.bfloat16,
+                            weight.shape[0], y.data_ptr(), 0)  # fmt: skip
+    return y
+
+
+@rowdot.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
