@@ -6,6 +6,7 @@ top-p (nucleus), min-p, repeat penalty over the last n tokens, stop strings.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -217,8 +218,10 @@ def token_scores(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[t
     logprobs = logits.float().log_softmax(-1)
     best = logprobs.topk(min(top, logprobs.shape[-1]), -1)
     figures = torch.cat([chosen(logprobs, tokens)[:, None], best.values], 1)  # (T, 1 + top) float32
-    packed = torch.cat([figures.view(torch.int32), best.indices.int()], 1).cpu().numpy().astype("<i4")
-    return list(zip(tokens.tolist(), [row.tobytes().hex() for row in packed], strict=True))
+    packed = torch.cat([figures.view(torch.int32), best.indices.int()], 1).cpu().numpy().astype("<i4", copy=False)
+    text = packed.tobytes().hex()  # one call for the step, cut into rows: a call a row costs the engine twice that
+    width = 8 * packed.shape[1]
+    return list(zip(tokens.tolist(), [text[at : at + width] for at in range(0, len(text), width)], strict=True))
 
 
 # A score record is the hex of little-endian float32 [the token's log-probability, the alternatives'] and int32
@@ -228,16 +231,19 @@ def token_scores(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[t
 NO_SCORE = ""  # the record of a token nothing predicts (a context's first)
 
 
-def read_score(record: str, top: int) -> tuple[float | None, list[tuple[int, float]]]:
-    """A score record's (log-probability, at most `top` [(id, log-probability)] likeliest first); (None, [])
-    for NO_SCORE."""
+def read_score(record: str, top: int) -> tuple[float | None, tuple[int, ...], tuple[float, ...]]:
+    """A score record's log-probability and its at most `top` likeliest tokens' (ids, log-probabilities), likeliest
+    first; (None, (), ()) for NO_SCORE."""
     if record == NO_SCORE:
-        return None, []
-    raw = bytes.fromhex(record)
-    count = (len(raw) // 4 - 1) // 2
-    numbers = struct.unpack(f"<{1 + count}f{count}i", raw)
-    ids, logprobs = numbers[1 + count :][:top], numbers[1 : 1 + count][:top]
-    return numbers[0], list(zip(ids, logprobs, strict=True))
+        return None, (), ()
+    count = (len(record) // 8 - 1) // 2
+    numbers = _record_layout(count).unpack(bytes.fromhex(record))
+    return numbers[0], numbers[1 + count : 1 + count + top], numbers[1 : 1 + min(count, top)]
+
+
+@functools.cache
+def _record_layout(count: int) -> struct.Struct:
+    return struct.Struct(f"<{1 + count}f{count}i")
 
 
 class ScoresNotFinite(AftgenError):

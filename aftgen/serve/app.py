@@ -26,7 +26,7 @@ from starlette.routing import Route
 from aftgen.serve import tokenizing
 from aftgen.serve.engine import Engine
 from aftgen.serve.remote import EngineProcess, EngineUnavailable
-from aftgen.serve.replies import Reply
+from aftgen.serve.replies import Reply, as_json
 from aftgen.serve.schema import APIError, check_constraint, controls_body, parse_request
 from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket, merged_texts
 
@@ -70,7 +70,7 @@ class EventStream(StreamingResponse):
 
 
 def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+    return f"data: {data if isinstance(data, str) else as_json(data)}\n\n"
 
 
 class Server:
@@ -257,7 +257,7 @@ class Server:
         if isinstance(first, Gone):
             return Response(status_code=499)  # nobody is listening; nothing to say
         if not parsed.stream:
-            return JSONResponse(reply.whole())
+            return Response(reply.whole(), media_type="application/json")
         stream = self._stream(ticket, reply, first, parsed.include_usage)
         return EventStream(stream, on_close=lambda: self.engine.cancel(ticket))
 
@@ -295,8 +295,7 @@ class Server:
                     yield sse(failure(event).body())
                     yield sse("[DONE]")
                     return
-                reply.take(event)
-                if isinstance(event, Text):
+                if isinstance(event, Text):  # sent as it comes: the reply keeps only what the usage counts
                     yield sse(reply.chunk(event.index, event.text, scores=event.scores))
                 elif isinstance(event, Done):
                     if include_usage:
@@ -304,6 +303,7 @@ class Server:
                     yield sse("[DONE]")
                     return
                 elif isinstance(event, Finished):
+                    reply.take(event)
                     yield sse(reply.chunk(event.index, finish=event.reason))
             events = [await ticket.inbox.get()]
             while not ticket.inbox.empty():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -9,6 +11,61 @@ from dataclasses import dataclass, field
 from aftgen.sampling import read_score
 from aftgen.serve.work import Event, Finished, Score, Started, Text
 from aftgen.tokenizer import Tokenizer
+
+as_json = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options makes one a call
+
+
+def number(logprob: float | None) -> str:
+    """A log-probability in JSON: the engine's float32 figure to 9 digits, which give it back exactly (and cost a
+    third of the time repr takes to write the 17 of the figure widened to a double)."""
+    return "null" if logprob is None else f"{logprob:.9g}"
+
+
+class ScoreWriter:
+    """OpenAI's `logprobs` JSON for one tokenizer, written by hand from its tokens' names made JSON once: a streamed
+    token with `logprobs: 5` names six, and json.dumps of the same dicts costs the HTTP side twice the time."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.names = [as_json(tokenizer.token_text(token)) for token in range(tokenizer.vocab_size)]
+        # chat: an entry's fields before its figure
+        self.entries = [
+            f'{{"token":{name},"bytes":{as_json(list(tokenizer.token_bytes(token)))},"logprob":'
+            for token, name in enumerate(self.names)
+        ]
+
+    def completions(self, scores: list[Score], top: int) -> str:
+        """Completions' parallel lists; of an alternative's tokens with one text (a byte-fallback piece and a whole
+        one), the likelier."""
+        names, tokens, figures, tops = self.names, [], [], []
+        for _, token, record in scores:
+            logprob, ids, values = read_score(record, top)
+            tokens.append(names[token])
+            figures.append(number(logprob))
+            named: dict[str, str] = {}
+            for other, value in zip(ids, values, strict=True):
+                if names[other] not in named:
+                    named[names[other]] = f"{names[other]}:{number(value)}"
+            tops.append("null" if logprob is None else f"{{{','.join(named.values())}}}")
+        offsets = ",".join([str(start) for start, _, _ in scores])
+        return (
+            f'{{"tokens":[{",".join(tokens)}],"token_logprobs":[{",".join(figures)}],'
+            f'"top_logprobs":[{",".join(tops)}],"text_offset":[{offsets}]}}'
+        )
+
+    def chat(self, scores: list[Score], top: int) -> str:
+        """Chat's {"content": [entry with its "top_logprobs", ...]}."""
+        entries, content = self.entries, []
+        for _, token, record in scores:
+            logprob, ids, values = read_score(record, top)
+            pairs = zip(ids, values, strict=True)
+            alternatives = ",".join([f"{entries[other]}{number(value)}}}" for other, value in pairs])
+            content.append(f'{entries[token]}{number(logprob)},"top_logprobs":[{alternatives}]}}')
+        return f'{{"content":[{",".join(content)}]}}'
+
+
+@functools.lru_cache(maxsize=4)
+def score_writer(tokenizer: Tokenizer) -> ScoreWriter:
+    return ScoreWriter(tokenizer)
 
 
 def usage(started: Started | None, completion_tokens: int) -> dict:
@@ -35,6 +92,7 @@ class Reply:
     texts: dict[int, list[str]] = field(default_factory=dict)
     scores: dict[int, list[Score]] = field(default_factory=dict)
     finished: dict[int, Finished] = field(default_factory=dict)
+    openings: dict[bool, str] = field(default_factory=dict)  # _opening's, streamed or not
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -55,16 +113,14 @@ class Reply:
         kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self) -> dict:
-        """The non-streaming response, every choice in index order."""
+    def whole(self) -> str:
+        """The non-streaming response's JSON, every choice in index order."""
         choices = []
         for index in sorted(self.finished):
             content = "".join(self.texts.get(index, []))
-            logprobs = self.logprobs(self.scores.get(index, []))
-            choice = {"index": index, "logprobs": logprobs, "finish_reason": self.finished[index].reason}
-            choice |= {"message": {"role": "assistant", "content": content}} if self.chat else {"text": content}
-            choices.append(choice)
-        return self._header(stream=False) | {"choices": choices, "usage": self.usage()}
+            body = {"message": {"role": "assistant", "content": content}} if self.chat else {"text": content}
+            choices.append(self._choice(index, self.scores.get(index, []), self.finished[index].reason, body))
+        return f'{self._opening(stream=False)}{",".join(choices)}],"usage":{as_json(self.usage())}}}'
 
     def chunk(
         self,
@@ -73,51 +129,34 @@ class Reply:
         finish: str | None = None,
         first: bool = False,
         scores: list[Score] | None = None,
-    ) -> dict:
-        """A stream chunk for one choice: its text (with its tokens' `scores`), its first (chat: the role) or its
-        finish."""
-        logprobs = self.logprobs(scores or []) if text is not None else None
-        choice = {"index": index, "logprobs": logprobs, "finish_reason": finish}
+    ) -> str:
+        """A stream chunk's JSON for one choice: its text (with its tokens' `scores`), its first (chat: the role)
+        or its finish."""
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
-            choice["delta"] = delta
+            body = {
+                "delta": {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+            }
         else:
-            choice["text"] = text or ""
-        return self._header(stream=True) | {"choices": [choice]}
+            body = {"text": text or ""}
+        choice = self._choice(index, (scores or []) if text is not None else None, finish, body)
+        return f"{self._opening(stream=True)}{choice}]}}"
 
-    def logprobs(self, scores: list[Score]) -> dict | None:
-        """OpenAI's `logprobs` of a choice or chunk: chat's {"content": [...]}, completions' parallel lists."""
-        if self.tokenizer is None:
-            return None
-        read = [(start, token, *read_score(record, self.top)) for start, token, record in scores]
-        if self.chat:
-            return {"content": [self._chat_entry(token, logprob, top) for _, token, logprob, top in read]}
-        return {
-            "tokens": [self.tokenizer.token_text(token) for _, token, _, _ in read],
-            "token_logprobs": [logprob for _, _, logprob, _ in read],
-            "top_logprobs": [None if logprob is None else self._named(top) for _, _, logprob, top in read],
-            "text_offset": [start for start, _, _, _ in read],
-        }
+    def _opening(self, stream: bool) -> str:
+        """The response's JSON up to its first choice: the header fields, then `"choices":[` (made once)."""
+        if stream not in self.openings:
+            self.openings[stream] = f'{as_json(self._header(stream))[:-1]},"choices":['
+        return self.openings[stream]
 
-    def _named(self, top: list[tuple[int, float]]) -> dict[str, float]:
-        """{token's text: log-probability}, likeliest first; of two tokens with one text (a byte-fallback piece
-        and a whole one), the likelier."""
-        named: dict[str, float] = {}
-        for token, logprob in top:
-            named.setdefault(self.tokenizer.token_text(token), logprob)
-        return named
+    def _choice(self, index: int, scores: list[Score] | None, finish: str | None, body: dict) -> str:
+        """A choice's JSON: its index, its `logprobs` (ScoreWriter), its finish and `body`."""
+        logprobs = "null" if self.tokenizer is None or scores is None else self._logprobs(scores)
+        return f'{{"index":{index},"logprobs":{logprobs},{as_json({"finish_reason": finish} | body)[1:]}'
 
-    def _chat_entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
-        alternatives = [self._chat_token(other, other_logprob) for other, other_logprob in top]
-        return self._chat_token(token, logprob) | {"top_logprobs": alternatives}
+    def _logprobs(self, scores: list[Score]) -> str:
+        """OpenAI's `logprobs` of a choice or chunk, as JSON."""
+        writer = score_writer(self.tokenizer)
+        return writer.chat(scores, self.top) if self.chat else writer.completions(scores, self.top)
 
-    def _chat_token(self, token: int, logprob: float) -> dict:
-        return {
-            "token": self.tokenizer.token_text(token),
-            "logprob": logprob,
-            "bytes": list(self.tokenizer.token_bytes(token)),
-        }
-
-    def usage_chunk(self) -> dict:
+    def usage_chunk(self) -> str:
         """The last chunk when the client asked for stream_options.include_usage."""
-        return self._header(stream=True) | {"choices": [], "usage": self.usage()}
+        return f'{self._opening(stream=True)}],"usage":{as_json(self.usage())}}}'
