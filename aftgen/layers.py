@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 _WRITTEN = contextvars.ContextVar("written_products", default=False)
-_TOKEN_ORDER = contextvars.ContextVar("token_order_sums", default=False)
 BATCH_INVARIANT_HELP = (
     "Make a row's numbers the same whatever else shares the step, so a seeded request gives the same text alone "
     "or beside others (every product written out: several times slower with many rows)."
@@ -45,23 +44,6 @@ def written_products() -> Iterator[None]:
         yield
     finally:
         _WRITTEN.reset(token)
-
-
-@contextlib.contextmanager
-def token_order_sums() -> Iterator[None]:
-    """Within it, a step's sums over its window of recent tokens run oldest token first, whatever slot of the
-    ring it has reached: a row then sums in the same order alone as in a batch, where it is rephased to the
-    batch's position (aftgen.serve.batch). Gathering the window in that order costs a 32-row step about 3x,
-    so only the batch-invariant step does it."""
-    token = _TOKEN_ORDER.set(True)
-    try:
-        yield
-    finally:
-        _TOKEN_ORDER.reset(token)
-
-
-def sums_in_token_order() -> bool:
-    return _TOKEN_ORDER.get()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

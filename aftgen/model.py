@@ -30,7 +30,7 @@ from aftgen.compiled_cache import CacheUnusable, cached_package, compiled_folder
 from aftgen.device import Compiled, failure_line
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_open
-from aftgen.layers import Linear, linear, token_order_sums, written_products
+from aftgen.layers import Linear, linear, written_products
 from aftgen.mixers import MIXERS, MixerState, make_mixer
 
 ModelState = list[MixerState]  # one mixer state per layer
@@ -304,13 +304,6 @@ class AFTLM(nn.Module):
             x = block.step(x, layer_state)
         return self._logits(x), state
 
-    def rephase(self, state: ModelState, from_position: int, to_position: int) -> ModelState:
-        """The same state read as if at `to_position`, layer by layer (Mixer.rephase): a new state."""
-        return [
-            block.mixer.rephase(layer, from_position, to_position)
-            for block, layer in zip(self.blocks, state, strict=True)
-        ]
-
 
 def clone_state(state: ModelState) -> ModelState:
     """An independent copy of a state."""
@@ -318,8 +311,8 @@ def clone_state(state: ModelState) -> ModelState:
 
 
 def tokens_read(state: ModelState) -> int:
-    """How many tokens a state has read (every layer has read the same)."""
-    return int(state[0]["position"])
+    """How many tokens a batch-1 state has read (every layer has read the same)."""
+    return int(state[0]["position"])  # (1,), or 0-dim in a state that is never batched (attention's)
 
 
 StepFunction = Callable[[torch.Tensor, ModelState], tuple[torch.Tensor, ModelState]]
@@ -367,7 +360,7 @@ WRITTEN_CONFIG = {"emulate_precision_casts": True}  # written-out products round
 # The kinds of step package: the matrix kernels' (a batch's); a single row's with its products written out, for
 # weights stored lower (faster than the bf16 kernels at one row); and the batch-invariant one (aftgen.layers).
 KERNELS, ONE_ROW_WRITTEN, BATCH_INVARIANT = "kernels", "one row written out", "batch-invariant"
-STEP_PACKAGE_FORMAT = 3  # bump when what a package holds or takes changes
+STEP_PACKAGE_FORMAT = 4  # bump when what a package holds or takes changes (4: a position per row)
 # The batch-invariant step (`compile_step(..., batch_invariant=True)`): one package serves 1 to MAX_ROWS rows
 # (aftgen.serve.options: --parallel at most), so every server and `aftgen sample --compile --batch-invariant`
 # run the same code, and a row's logits are the same in each, alone or among others (aftgen.layers).
@@ -424,17 +417,6 @@ class CompiledStep:
             return False
         self.checked = inputs
         return True
-
-
-def token_order_step(step: StepFunction) -> StepFunction:
-    """`step` with its window summed oldest token first (layers.token_order_sums), as the batch-invariant
-    package sums it: the batch-invariant step where nothing is compiled."""
-
-    def in_token_order(ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
-        with token_order_sums():
-            return step(ids, state)
-
-    return in_token_order
 
 
 def compile_step(model: AFTLM, max_batch: int = 1, batch_invariant: bool = False) -> tuple[StepFunction, str]:
@@ -527,9 +509,8 @@ def _package_configs(max_batch: int, kind: str) -> dict:
 
 @contextlib.contextmanager
 def _numerics(kind: str) -> Iterator[None]:
-    """How a package of `kind` is traced: its products written out or not, its window summed in token order."""
-    products = written_products() if kind != KERNELS else contextlib.nullcontext()
-    with products, token_order_sums() if kind == BATCH_INVARIANT else contextlib.nullcontext():
+    """How a package of `kind` is traced: its products written out or not."""
+    with written_products() if kind != KERNELS else contextlib.nullcontext():
         yield
 
 

@@ -72,6 +72,7 @@ def load_state(path: Path | str, model: AFTLM, tokenizer: Tokenizer) -> Context:
     _check_origin(path, metadata, model, tokenizer)
     if set(tensors) != set(expected):
         raise AftgenError(f"{path}: state file does not match this model's layers")
+    tensors = _positions_per_row(tensors, expected)
     for name, tensor in tensors.items():
         if not _fits(tensor, expected[name]):
             raise AftgenError(
@@ -104,6 +105,17 @@ def load_state(path: Path | str, model: AFTLM, tokenizer: Tokenizer) -> Context:
     )
     _check_continues(path, context, model)
     return context
+
+
+def _positions_per_row(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors, with a 0-dim position read as the (1,) one of its single row: a file written before each row
+    kept its own position (an AFT layer's) holds the same count in a 0-dim tensor."""
+    return {
+        name: tensor.view(1)
+        if name.endswith(".position") and tensor.dim() == 0 and expected[name].dim() == 1
+        else tensor
+        for name, tensor in tensors.items()
+    }
 
 
 def _check_tokens(path: Path, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], vocab: int) -> None:

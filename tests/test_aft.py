@@ -33,7 +33,7 @@ def test_step_matches_naive(s):
     tables = step_tables(w, decay)
     ys = torch.stack([aft_step(q[:, t], k[:, t], v[:, t], tables, state) for t in range(30)], dim=1)
     assert (ys.double() - aft_naive(q, k, v, w, decay)).abs().max() < 1e-5
-    assert int(state["position"]) == 30
+    assert state["position"].tolist() == [30, 30]  # each row's own count
 
 
 def test_zero_decay_is_the_papers_aft_local():
@@ -64,6 +64,57 @@ def test_state_carries_across_chunks():
         assert torch.allclose(state[name].float(), stepped[name].float(), atol=1e-6)
     true_prefix = stepped["prefix_num"] * torch.exp(stepped["prefix_max"])
     assert torch.allclose(state["prefix_num"] * torch.exp(state["prefix_max"]), true_prefix, rtol=1e-4, atol=1e-6)
+
+
+READ = [0, 1, 3, 4]  # tokens each row has read before stepping beside the others: four phases of a 5-slot ring
+
+
+def rows_at_their_phases(q, k, v, tables, s: int) -> list[dict]:
+    """Batch-1 states of rows that have read READ[row] tokens each, stepped alone."""
+    H, D = q.shape[-2:]
+    alone = []
+    for row, count in enumerate(READ):
+        state = empty_state(1, H, D, s, device=DEVICE)
+        for t in range(count):
+            aft_step(q[row : row + 1, t], k[row : row + 1, t], v[row : row + 1, t], tables, state)
+        alone.append(state)
+    return alone
+
+
+def stacked(states: list[dict]) -> dict:
+    """The rows in one batch, as they are: each keeps its own position."""
+    return {name: torch.cat([state[name] for state in states]) for name in states[0]}
+
+
+def test_a_row_steps_to_the_same_bits_alone_and_beside_rows_at_other_phases_of_the_ring():
+    """Each row keeps its own position: its window sits in the same slots, and is summed in the same order,
+    alone as in a batch with rows that have read other numbers of tokens (issue 47)."""
+    s, steps = 5, 12  # more steps than slots: every row passes every slot of its ring
+    q, k, v, w, decay = random_inputs(B=len(READ), T=max(READ) + steps, H=4, D=8, s=s)
+    tables = step_tables(w, decay)
+    alone = rows_at_their_phases(q, k, v, tables, s)
+    together = stacked(alone)
+    for t in range(max(READ), max(READ) + steps):
+        y = aft_step(q[:, t], k[:, t], v[:, t], tables, together)
+        for row, state in enumerate(alone):
+            own = aft_step(q[row : row + 1, t], k[row : row + 1, t], v[row : row + 1, t], tables, state)
+            assert torch.equal(own[0], y[row]), (row, t)
+    assert together["position"].tolist() == [count + steps for count in READ]
+
+
+def test_the_parallel_form_continues_rows_at_other_phases_each_as_alone():
+    s, T = 5, 7  # more tokens than slots: the window is read and rewritten at each row's phase
+    q, k, v, w, decay = random_inputs(B=len(READ), T=max(READ) + T, s=s)
+    alone = rows_at_their_phases(q, k, v, step_tables(w, decay), s)
+    new = slice(max(READ), max(READ) + T)
+    y, together = aft_parallel(q[:, new], k[:, new], v[:, new], w, decay, 4, stacked(alone), return_state=True)
+    for row, state in enumerate(alone):
+        rows = slice(row, row + 1)
+        own, state = aft_parallel(q[rows, new], k[rows, new], v[rows, new], w, decay, 4, state, return_state=True)
+        assert (own - y[rows]).abs().max() < 1e-6, row
+        for name, tensor in state.items():
+            assert torch.allclose(tensor.float(), together[name][rows].float(), atol=1e-6), (row, name)
+    assert together["position"].tolist() == [count + T for count in READ]
 
 
 def tiny_model(seed=0, **overrides) -> AFTLM:

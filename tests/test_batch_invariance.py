@@ -48,13 +48,13 @@ def compiled(tmp_path_factory) -> Iterator[dict]:
         yield steps
 
 
-def histories(model: AFTLM, count: int) -> list[tuple[int, list, int]]:
-    """(owner, batch-1 state, position) for `count` rows that read different prompts of different lengths."""
+def histories(model: AFTLM, count: int) -> list[tuple[int, list]]:
+    """(owner, batch-1 state) for `count` rows that read different prompts of different lengths."""
     generator = torch.Generator().manual_seed(count)
     joining = []
     for row in range(count):
         ids = torch.randint(0, VOCAB, (1, 3 + row % 11), generator=generator)
-        joining.append((row, model.prefill(ids, last_only=True)[1], ids.shape[1]))
+        joining.append((row, model.prefill(ids, last_only=True)[1]))
     return joining
 
 
@@ -62,7 +62,7 @@ def stepped(model: AFTLM, step, joining: list, tokens: torch.Tensor) -> list[tor
     """The logits of each step of a batch of `joining`'s rows, fed `tokens` (steps, rows)."""
     batch = Batch(model, capacity=len(joining), step=step)
     with torch.inference_mode():
-        batch.add([(owner, clone_state(state), position) for owner, state, position in joining])
+        batch.add([(owner, clone_state(state)) for owner, state in joining])
         return [batch.step(column).clone() for column in tokens]
 
 

@@ -171,7 +171,10 @@ def test_batches_and_states_the_package_was_not_compiled_for_step_eagerly(compil
         logits, _ = step(following[:, 0], clone_state(state))  # one row more than compiled for
         torch.testing.assert_close(logits, model.step(following[:, 0], clone_state(state))[0])
         strided = [
-            {name: t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() else t for name, t in layer.items()}
+            {
+                name: t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() > 1 else t
+                for name, t in layer.items()
+            }
             for layer in clone_state(state)
         ]
         logits, _ = step(following[:, 0], strided)  # the same values, laid out otherwise

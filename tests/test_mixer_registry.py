@@ -44,7 +44,7 @@ class CausalMean(torch.nn.Module):
         return {
             "sum": zeros,
             "count": zeros[:, :1].clone(),
-            "position": torch.zeros((), dtype=torch.long, device=device),
+            "position": torch.zeros(batch_size, dtype=torch.long, device=device),  # (B,): a row's, as it is batched
         }
 
     def forward(self, x, state=None, return_state=False, last_only=False):
@@ -61,9 +61,6 @@ class CausalMean(torch.nn.Module):
         state["count"].add_(1)
         state["position"].add_(1)
         return self.proj(state["sum"] / state["count"])
-
-    def rephase(self, state: MixerState, from_position: int, to_position: int) -> MixerState:
-        return state | {"position": torch.tensor(to_position, device=state["sum"].device)}  # the mean has no positions
 
 
 class PastValues(CausalMean):
@@ -88,9 +85,6 @@ class PastValues(CausalMean):
         state["values"] = torch.cat([state["values"], self.v(x)[:, None]], dim=1)
         state["position"].add_(1)
         return self.proj(state["values"].mean(1))
-
-    def rephase(self, state: MixerState, from_position: int, to_position: int) -> MixerState:
-        raise ValueError("every past value is kept: the state cannot be rephased")
 
 
 @pytest.fixture

@@ -291,6 +291,25 @@ def test_save_then_load_state_continues_exactly(tiny_run, tmp_path):
     assert first.stdout + second.stdout == whole.stdout
 
 
+def test_a_state_file_from_before_positions_per_row_loads_and_continues_alike(tiny, tmp_path):
+    """Files written before each row kept its own position hold every layer's position 0-dim: read as (1,)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    model, tokenizer = tiny
+    context = read_prompt(model, tokenizer, "KING:", seed=0)
+    now, before = tmp_path / "now.safetensors", tmp_path / "before.safetensors"
+    save_state(now, context, model, tokenizer)
+    with safe_open(now, "pt") as opened:
+        metadata = opened.metadata()
+    tensors = load_file(now)
+    save_file({name: t.view(()) if name.endswith(".position") else t for name, t in tensors.items()}, before, metadata)
+    loaded = {path: load_state(path, model, tokenizer) for path in (now, before)}
+    assert [layer["position"].shape for layer in loaded[before].state] == [(1,)] * model.config.n_layer
+    texts = ["".join(generate(model, tokenizer, c, SamplingOptions(max_new_tokens=20))) for c in loaded.values()]
+    assert texts[0] == texts[1]
+
+
 def test_state_file_size_is_independent_of_history(tiny, tmp_path):
     model, tokenizer = tiny
     sizes = []

@@ -249,7 +249,7 @@ class Ceiling:
         timed as a phase is, as many steps as a stream's tokens in one stretch, the best round kept."""
         model, threads = self.model, torch.get_num_threads()
         batch = Batch(model, streams, self.step)
-        batch.add([(row, model.initial_state(1), 0) for row in range(streams)])
+        batch.add([(row, model.initial_state(1)) for row in range(streams)])
         rows = [SamplingOptions(temperature=TEMPERATURE)] * streams
         generators = [new_generator(seed) for seed in range(streams)]
         history = torch.zeros(streams, 0, dtype=torch.long)

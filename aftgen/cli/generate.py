@@ -132,7 +132,6 @@ def _load_for_generation(
     from aftgen.api import load
     from aftgen.constraints import compiled as compiled_constraint
     from aftgen.model import compile_step as compiled
-    from aftgen.model import token_order_step
     from aftgen.state import load_state as read_state
 
     lm, tokenizer = load(model, where.device)
@@ -144,8 +143,6 @@ def _load_for_generation(
     if compile_step:
         step, note = compiled(lm, batch_invariant=batch_invariant)
         print(f"step: {note}", file=sys.stderr)
-    if batch_invariant and step == lm.step:  # eager: summed as the batch-invariant package sums
-        step = token_order_step(lm.step)
     return lm, tokenizer, context, step
 
 

@@ -19,6 +19,11 @@ Three forms compute it:
   exp(k), not k, so that a token's weights exp(k + w) = exp(k) exp(w) are products: a step takes no
   exponential over its window (s H D a row; an eager step of 32 rows took half the time without them).
 
+The window is a ring buffer: each row counts the tokens it has read (its own `position`, one per row),
+and its token g sits in slot g mod s. A row's window then lies in the same slots, and its sums over them
+run in the same order, alone or in a batch beside rows that have read other numbers of tokens: rows of
+any history stack as they are (aftgen.serve.batch), and a row's output does not depend on the others.
+
 Numerical safety: keys and window biases are soft-capped into (-KEY_CAP, KEY_CAP), so every weight
 exp(k + b) lies in [exp(-2 KEY_CAP), exp(2 KEY_CAP)] (or decays below that, far in the past). No sum
 can overflow in fp32 at any practical length, and the denominator always holds the current token's
@@ -37,7 +42,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from aftgen.layers import Linear, sums_in_token_order
+from aftgen.layers import Linear
 from aftgen.mixers.chunked import EMPTY_KEY, History, aft_chunked, aft_chunked_from
 from aftgen.mixers.protocol import MixerConfig, MixerState
 
@@ -75,7 +80,7 @@ def aft_naive(q, k, v, w: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
 
 
 def empty_state(batch: int, heads: int, head_dim: int, window: int, device=None) -> MixerState:
-    """The state before any token: an empty window (a ring buffer: token g in slot g mod s) and prefix."""
+    """The state before any token: an empty window (a ring buffer: a row's token g in slot g mod s) and prefix."""
     zeros = torch.zeros(batch, heads, head_dim, device=device)
     return {
         "window_exp_k": torch.zeros(batch, window, heads, head_dim, device=device),  # (B, s, H, D): exp(k), 0 empty
@@ -83,21 +88,8 @@ def empty_state(batch: int, heads: int, head_dim: int, window: int, device=None)
         "prefix_num": zeros.clone(),  # (B, H, D)
         "prefix_den": zeros.clone(),  # (B, H, D)
         "prefix_max": torch.full_like(zeros, EMPTY_KEY),  # (B, H, D)
-        "position": torch.zeros((), dtype=torch.long, device=device),  # tokens read so far
+        "position": torch.zeros(batch, dtype=torch.long, device=device),  # (B,): tokens each row has read
     }
-
-
-def rephase_state(state: MixerState, from_position: int, to_position: int) -> MixerState:
-    """The same state read as if at `to_position`: the window's ring buffers rotated so that token g still
-    sits in slot g mod s, and the position set. Rows at different positions can then step together."""
-    moved = dict(state)
-    window = state["window_exp_k"].shape[1]  # (B, s, H, D)
-    if window:
-        shift = (to_position - from_position) % window
-        for name in ("window_exp_k", "window_v"):
-            moved[name] = torch.roll(state[name], shift, dims=1)
-    moved["position"] = torch.tensor(to_position, dtype=torch.long, device=state["window_exp_k"].device)
-    return moved
 
 
 class StepTables(NamedTuple):
@@ -120,24 +112,30 @@ def step_tables(w: torch.Tensor, decay: torch.Tensor) -> StepTables:
 
 
 def ring_slot(position: torch.Tensor, s: int) -> torch.Tensor:
-    """The window's slot (1,) of the token at `position` (a tensor: no host sync); 0 where there is no window."""
-    return (position % max(s, 1)).view(1)
+    """Each row's window slot (B,) of its token at `position` (B,) (tensors: no host sync); 0 with no window."""
+    return position % max(s, 1)
+
+
+def _per_row(slots: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """slots (B, n) as an index into the window (B, s, H, D) along its slots: (B, n, H, D), for gather/scatter."""
+    return slots[:, :, None, None].expand(-1, -1, *window.shape[2:])
 
 
 def aft_step(q, k, v, tables: StepTables, state: MixerState) -> torch.Tensor:
     """y (B, H, D) of one more token, q, k, v (B, H, D), updating `state` in place: O(s D) work.
 
-    k already soft-capped. The token leaving the window moves into the prefix. The position stays a
-    tensor and the slot is addressed with index_select / index_copy_, so there is no host sync and
+    k already soft-capped. The token leaving the window moves into the prefix. The positions stay a
+    tensor and each row's slot is addressed with gather / scatter_, so there is no host sync and
     torch.compile can fuse the whole step.
     """
     s = tables.window_weight.shape[-1]
-    position = state["position"]
+    position = state["position"]  # (B,)
     win_exp_k, win_v = state["window_exp_k"], state["window_v"]  # (B, s, H, D)
-    slot = ring_slot(position, s)
+    slot = ring_slot(position, s)  # (B,)
+    at_slot = _per_row(slot[:, None], win_exp_k)  # (B, 1, H, D)
     if s:  # an empty slot's exp(k) is 0: its key, -inf, weighs nothing below
-        leaving_k = win_exp_k.index_select(1, slot)[:, 0].log()  # (B, H, D)
-        leaving_v = win_v.index_select(1, slot)[:, 0]
+        leaving_k = win_exp_k.gather(1, at_slot)[:, 0].log()  # (B, H, D)
+        leaving_v = win_v.gather(1, at_slot)[:, 0]
     else:
         leaving_k, leaving_v = k, v
 
@@ -150,30 +148,25 @@ def aft_step(q, k, v, tables: StepTables, state: MixerState) -> torch.Tensor:
     torch.sub(top, tables.decay, out=p)
 
     if s:
-        win_exp_k.index_copy_(1, slot, k.exp()[:, None])
-        win_v.index_copy_(1, slot, v[:, None])
+        win_exp_k.scatter_(1, at_slot, k.exp()[:, None])
+        win_v.scatter_(1, at_slot, v[:, None])
     y = latest_output(q, tables, state, slot)
     position.add_(1)
     return y
 
 
 def latest_output(q: torch.Tensor, tables: StepTables, state: MixerState, newest_slot: torch.Tensor) -> torch.Tensor:
-    """y (B, H, D) of the newest token, q (B, H, D), from a state that already holds it in `newest_slot` (1,).
+    """y (B, H, D) of each row's newest token, q (B, H, D), from a state that already holds it in `newest_slot` (B,).
 
-    Its window holds the last s tokens, weighted exp(k + w[distance]); its prefix everything older,
-    exp(prefix_max) times the stored sums, already decayed to this token.
+    Its window holds the last s tokens, weighted exp(k + w[distance]), summed in slot order; its prefix
+    everything older, exp(prefix_max) times the stored sums, already decayed to this token.
     """
     s = tables.window_weight.shape[-1]
     a, b, p = state["prefix_num"], state["prefix_den"], state["prefix_max"]  # (B, H, D)
     if not s:
         return torch.sigmoid(q).mul_(a).div_(b)
     win_exp_k, win_v = state["window_exp_k"], state["window_v"]  # (B, s, H, D), in the ring's slots
-    if sums_in_token_order():  # the window oldest first (aftgen.layers.token_order_sums)
-        oldest_first = (newest_slot + 1 + torch.arange(s, device=newest_slot.device)) % s
-        win_exp_k, win_v = win_exp_k.index_select(1, oldest_first), win_v.index_select(1, oldest_first)
-        bias_weight = tables.window_weight[:1]  # (1, H, s): each distance's exp(w), oldest first
-    else:
-        bias_weight = tables.window_weight.index_select(0, (s - 1) - newest_slot)  # (1, H, s): each slot's exp(w)
+    bias_weight = tables.window_weight.index_select(0, (s - 1) - newest_slot)  # (B, H, s): each slot's exp(w)
     weights = win_exp_k * bias_weight.permute(0, 2, 1)[..., None]  # (B, s, H, D): exp(k + w[distance])
     prefix_weight = p.exp()
     num = torch.linalg.vecdot(weights, win_v, dim=1).addcmul_(a, prefix_weight)
@@ -211,27 +204,28 @@ def aft_parallel(
 
 
 def _unrolled(state: MixerState, s: int) -> History:
-    """The state's ring buffer in time order, and its prefix as plain (not max-stabilised) sums."""
-    slots = torch.arange(s, device=state["position"].device)
-    time_order = (slots + state["position"]) % s  # positions stay tensors: no host sync, one compiled graph
+    """Each row's ring buffer in time order, and its prefix as plain (not max-stabilised) sums."""
+    position = state["position"]  # (B,): tensors, so no host sync and one compiled graph
+    time_order = _per_row((torch.arange(s, device=position.device) + position[:, None]) % s, state["window_v"])
     scale = torch.exp(state["prefix_max"]).repeat(1, 1, 2)
     prefix = torch.cat([state["prefix_num"], state["prefix_den"]], dim=-1) * scale  # (B, H, 2D)
-    keys = state["window_exp_k"].index_select(1, time_order).log().clamp_min_(EMPTY_KEY)  # an empty slot: EMPTY_KEY
-    return History(keys, state["window_v"].index_select(1, time_order), prefix)
+    keys = state["window_exp_k"].gather(1, time_order).log().clamp_min_(EMPTY_KEY)  # an empty slot: EMPTY_KEY
+    return History(keys, state["window_v"].gather(1, time_order), prefix)
 
 
 def _advanced(state: MixerState, history: History, k, v, prefix: torch.Tensor) -> MixerState:
     """The state after reading k, v (B, T, H, D): the last s keys and values, and `prefix` (B, H, 2D)."""
     s, T, D = history.keys.shape[1], k.shape[1], k.shape[-1]
-    position = state["position"] + T
-    ring_order = (torch.arange(s, device=k.device) - position) % s
+    position = state["position"] + T  # (B,)
     newest = max(T - s, 0)  # the last s keys and values come from the old window and the new tokens
-    keys = torch.cat([history.keys, k[:, newest:T]], dim=1)[:, T - newest :]
+    keys = torch.cat([history.keys, k[:, newest:T]], dim=1)[:, T - newest :]  # (B, s, H, D), oldest first
     values = torch.cat([history.values, v[:, newest:T]], dim=1)[:, T - newest :]
+    # Slot j of row b takes keys[b, (j - position[b]) mod s], so that its token g sits in slot g mod s.
+    ring_order = _per_row((torch.arange(s, device=k.device) - position[:, None]) % s, values)  # (B, s, H, D)
     num = prefix[..., :D].contiguous()  # every tensor laid out as empty_state lays it out (the compiled step's)
     return {
-        "window_exp_k": keys.index_select(1, ring_order).exp(),
-        "window_v": values.index_select(1, ring_order),
+        "window_exp_k": keys.gather(1, ring_order).exp(),
+        "window_v": values.gather(1, ring_order),
         "prefix_num": num,
         "prefix_den": prefix[..., D:].contiguous(),
         "prefix_max": torch.zeros_like(num),
@@ -319,9 +313,6 @@ class AFTMixer(torch.nn.Module):
             w, decay = soft_cap(self.w), self.decay()
             y, state = aft_parallel(q, k, v, w, decay, self.chunk, state, return_state, last_only)
         return self.proj(y.to(x.dtype).flatten(-2)), state
-
-    def rephase(self, state: MixerState, from_position: int, to_position: int) -> MixerState:
-        return rephase_state(state, from_position, to_position)
 
     def step(self, x: torch.Tensor, state: MixerState) -> torch.Tensor:
         q, k, v = self._qkv(x)  # (B, H, D)

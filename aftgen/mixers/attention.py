@@ -112,9 +112,6 @@ class AttentionMixer(torch.nn.Module):
         )
         return self.proj(y.transpose(1, 2).reshape(B, queries, -1)), state
 
-    def rephase(self, state: MixerState, from_position: int, to_position: int) -> MixerState:
-        raise ValueError("a KV cache grows with the text and its keys carry their positions: it cannot be rephased")
-
     def step(self, x: torch.Tensor, state: MixerState) -> torch.Tensor:
         y, _ = self.forward(x[:, None], state, return_state=True)
         return y[:, 0]

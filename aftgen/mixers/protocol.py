@@ -7,7 +7,9 @@ from typing import Protocol
 
 import torch
 
-MixerState = dict[str, torch.Tensor]  # per layer; tensors batch-first, plus a 0-dim "position"
+# Per layer; tensors batch-first, "position" among them: (B,), each row's count of tokens read. A state that
+# grows (fixed_size_state False: never batched) may keep a 0-dim one.
+MixerState = dict[str, torch.Tensor]
 
 
 class MixerConfig(Protocol):
@@ -27,7 +29,8 @@ class Mixer(Protocol):
     # Names of parameters AdamW must not decay (position biases, decays): matrices are decayed, the rest not.
     no_weight_decay: tuple[str, ...]
     # Whether the state keeps one size however long the stream: the server can then batch states of
-    # different lengths, and a stream can be read past the training length.
+    # different lengths (stacked row by row, every tensor batch-first), and a stream can be read past the
+    # training length.
     fixed_size_state: bool
 
     @classmethod
@@ -55,11 +58,6 @@ class Mixer(Protocol):
 
     def initial_state(self, batch_size: int, device: torch.device | None = None) -> MixerState:
         """The state before any token."""
-        ...
-
-    def rephase(self, state: MixerState, from_position: int, to_position: int) -> MixerState:
-        """The same state read as if `to_position` tokens had been read instead of `from_position`, so that
-        sequences of different lengths can step in one batch (ValueError where the state cannot)."""
         ...
 
     def perturb_(self) -> None:

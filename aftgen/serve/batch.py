@@ -1,11 +1,9 @@
 """Many sequences' recurrent states stacked along the batch, so one `model.step` advances them all.
 
-Every AFT state has the same shape whatever its history, so rows stack, except for one thing: a
-layer's window is a ring buffer (token g sits in slot g mod s) addressed by a `position` that the
-whole batch shares. Sequences that have read different numbers of tokens are at different phases of
-their rings. Only the phase matters to the step (the prefix sums do not depend on the position), so
-a joining row's state is rephased to the batch's position (`AFTLM.rephase`: the mixer rotates its
-window), and back when it leaves. The step itself is the library's, unchanged.
+Every AFT state has the same shape whatever its history, so rows stack as they are: a layer's window is a
+ring buffer (a row's token g sits in slot g mod s), and each row keeps its own `position`, the tokens it has
+read, so sequences of any lengths step together, each at its own phase of its ring (aftgen.mixers.aft),
+and a row's state joins and leaves the batch as it is. The step itself is the library's.
 
 With `--batch-invariant`, a row's logits are what it would get alone, whatever the rows beside it: the
 compiled step is written so (aftgen.model, aftgen.layers), and the eager step, whose matrix kernels round
@@ -25,7 +23,7 @@ import torch
 
 from aftgen.device import Placement
 from aftgen.mixers import fixed_size_state
-from aftgen.model import AFTLM, ModelState, StepFunction, compile_step, token_order_step
+from aftgen.model import AFTLM, ModelState, StepFunction, compile_step, tokens_read
 
 # Seconds a starting server waits for its compiled step. A first compile of a new model can take longer on
 # two cores: the server then answers with the eager step meanwhile, and changes over when it is done.
@@ -35,8 +33,7 @@ COMPILE_WAIT = 40.0
 class Batch:
     """The states of the sequences now generating, one row each, stepped together.
 
-    `rows[r]` is whatever the caller gave for row r (the engine's sequences); `offsets[r]` is the batch
-    position minus row r's own, so its true position is always `position - offsets[r]`.
+    `rows[r]` is whatever the caller gave for row r (the engine's sequences).
     """
 
     def __init__(self, model: AFTLM, capacity: int, step: StepFunction | None = None):
@@ -46,39 +43,33 @@ class Batch:
         self.model, self.capacity, self.run_step = model, capacity, step or model.step
         # Untouched memory: pages become resident only as rows are first used.
         self.buffers = [
-            {name: t.new_empty((capacity, *t.shape[1:])) for name, t in layer.items() if t.dim()}
+            {name: t.new_empty((capacity, *t.shape[1:])) for name, t in layer.items()}
             for layer in model.initial_state(1)
         ]
         self.rows: list[object] = []
-        self.offsets: list[int] = []
-        self.position = 0
         self.stepped: ModelState | None = None  # what the step is handed: views of the rows, while they stay
         self.logits: torch.Tensor | None = None  # the last step's (B, vocab), while the rows stay as they were
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def add(self, joining: list[tuple[object, ModelState, int]]) -> None:
-        """Append rows: (owner, batch-1 state, its position) each."""
-        for owner, state, position in joining:
+    def add(self, joining: list[tuple[object, ModelState]]) -> None:
+        """Append rows: (owner, batch-1 state) each."""
+        for owner, state in joining:
             if len(self.rows) == self.capacity:
                 raise ValueError(f"the batch holds {self.capacity} rows at most")
-            if not self.rows:
-                self.position = position
             row = len(self.rows)
-            for buffers, layer in zip(self.buffers, self.model.rephase(state, position, self.position), strict=True):
+            for buffers, layer in zip(self.buffers, state, strict=True):
                 for name, buffer in buffers.items():
                     buffer[row].copy_(layer[name][0])
             self.rows.append(owner)
-            self.offsets.append(self.position - position)
             self.stepped = self.logits = None
 
     def state_of(self, owner: object) -> tuple[ModelState, int]:
-        """A copy of one row's state as a batch-1 state at its own position, and that position."""
+        """A copy of one row's state as a batch-1 state, and the tokens it has read."""
         row = self.rows.index(owner)
-        own = self.position - self.offsets[row]
         single = [{name: buffer[row : row + 1].clone() for name, buffer in layer.items()} for layer in self.buffers]
-        return self.model.rephase(single, self.position, own), own
+        return single, tokens_read(single)
 
     def remove(self, owners: list[object]) -> None:
         """Take these rows out: the last rows staying move into the gaps below, all in one copy per state tensor."""
@@ -94,48 +85,39 @@ class Batch:
                 for buffer in layer.values():
                     buffer[to] = buffer[source]
             for gap, mover in zip(gaps, movers, strict=True):
-                self.rows[gap], self.offsets[gap] = self.rows[mover], self.offsets[mover]
-        del self.rows[kept:], self.offsets[kept:]
+                self.rows[gap] = self.rows[mover]
+        del self.rows[kept:]
         self.stepped = self.logits = None
 
     def clear(self) -> None:
-        self.rows, self.offsets, self.stepped, self.logits = [], [], None, None
+        self.rows, self.stepped, self.logits = [], None, None
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (in `rows` order), tokens (B,); returns logits (B, vocab)."""
-        if self.stepped is None:  # the rows changed: views of them, and a position each layer's step advances
-            count, device = len(self.rows), self.model.embed.weight.device
-            self.stepped = [
-                {name: buffer[:count] for name, buffer in layer.items()}
-                | {"position": torch.tensor(self.position, dtype=torch.long, device=device)}
-                for layer in self.buffers
-            ]
-        self.logits, _ = self.run_step(tokens, self.stepped)  # updates the rows and positions in place
-        self.position += 1
+        if self.stepped is None:  # the rows changed: views of them, which the step updates in place
+            count = len(self.rows)
+            self.stepped = [{name: buffer[:count] for name, buffer in layer.items()} for layer in self.buffers]
+        self.logits, _ = self.run_step(tokens, self.stepped)
         return self.logits
 
 
 def eager_step(model: AFTLM, batch_invariant: bool) -> StepFunction:
     """The step a batch runs without a compiled one: `model.step`, or each row apart where a row's logits
     must not depend on the rows beside it."""
-    return rows_apart(token_order_step(model.step)) if batch_invariant else model.step
+    return rows_apart(model.step) if batch_invariant else model.step
 
 
 def rows_apart(step: StepFunction) -> StepFunction:
     """`step` for a batch as each row's own batch-1 step, one after another: each row's logits are then exactly
-    those it gets alone (with a `token_order_step`, whatever the batch's ring phase). Slower than one step of
-    them all: for the eager step, whose matrix kernels round a row differently with the number of rows."""
+    those it gets alone. Slower than one step of them all: for the eager step, whose matrix kernels round a
+    row differently with the number of rows."""
 
     def each_row(ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         logits = []
-        for row in range(ids.shape[0]):  # views of the row (updated in place), and the batch's position each
-            own = [{name: t[row : row + 1] if t.dim() else t.clone() for name, t in layer.items()} for layer in state]
+        for row in range(ids.shape[0]):  # views of the row, updated in place
+            own = [{name: t[row : row + 1] for name, t in layer.items()} for layer in state]
             logits.append(step(ids[row : row + 1], own)[0])
-        for layer, row_layer in zip(state, own, strict=True):  # the position, as every row advanced it
-            for name, tensor in layer.items():
-                if not tensor.dim():
-                    tensor.copy_(row_layer[name])
         return torch.cat(logits), state
 
     return each_row

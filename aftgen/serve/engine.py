@@ -22,7 +22,7 @@ import torch
 from aftgen import cores
 from aftgen.device import Placement
 from aftgen.errors import AftgenError
-from aftgen.model import AFTLM, StepFunction, tokens_read
+from aftgen.model import AFTLM, StepFunction
 from aftgen.sampling import (
     Context,
     PromptReader,
@@ -318,9 +318,9 @@ class Engine:
             if stream.done:  # max_tokens 0: only the prompt was wanted
                 self._end(row)
             else:
-                joining.append((row, context.state, tokens_read(context.state)))
+                joining.append((row, context.state))
         self.batch.add(joining)
-        for row, _, _ in joining:
+        for row, _ in joining:
             row.stream.context.state = []  # the batch holds it now; a session gets it back when it ends
 
     def _echo(self, reader: Reader) -> Text:
