@@ -11,11 +11,11 @@ core), though they read half the bytes. Compiled under `written_products()`, the
 the broadcast multiply and sum that it is, and the compiler fuses the widening of each weight into the one
 pass that reads it (the old 7.9M-parameter shipped model's step: 1.0 ms on one core).
 
-Written out, a product is also summed in one order for every row, however many rows share it: the matrix
-kernels change their order with the number of rows (MKL's float32 ones for any batch; oneDNN's bf16 ones past
-32 rows, or at other sizes), so a row's logits would depend on the rows beside it. The batch-invariant step
-(aftgen.model.compile_step) writes every product out for that, in the numbers of the matrix kernels: x and the
-weights in the weights' dtype, their products exact in float32, the sum rounded to that dtype.
+The matrix kernels change the order of their products' sums with the number of rows
+(MKL's float32 ones for any batch; oneDNN's bf16 ones past 32 rows, or at other sizes), so a row's logits
+would depend on the rows beside it. Under `invariant_products()` (the batch-invariant step, aftgen.model
+.compile_step) every product goes through aftgen.rowdot instead, which sums each row in one order alone or
+among any others.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aftgen.rowdot import rowdot
+
 _WRITTEN = contextvars.ContextVar("written_products", default=False)
+_INVARIANT = contextvars.ContextVar("invariant_products", default=False)
 BATCH_INVARIANT_HELP = (
     "Make a row's numbers the same whatever else shares the step, so a seeded request gives the same text alone "
     "or beside others (every product written out: several times slower with many rows)."
@@ -46,10 +49,23 @@ def written_products() -> Iterator[None]:
         _WRITTEN.reset(token)
 
 
+@contextlib.contextmanager
+def invariant_products() -> Iterator[None]:
+    """Within it, `linear` multiplies through aftgen.rowdot: a row's product is the same alone or in a batch."""
+    token = _INVARIANT.set(True)
+    try:
+        yield
+    finally:
+        _INVARIANT.reset(token)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weightᵀ + bias; with weights stored lower than float32, x multiplies in their dtype and the
     product comes back in float32."""
-    if _WRITTEN.get():
+    if _INVARIANT.get():
+        rows = x.reshape(-1, x.shape[-1]).float()
+        product = rowdot(rows, weight).view(*x.shape[:-1], weight.shape[0])
+    elif _WRITTEN.get():
         product = _written_product(x.to(weight.dtype), weight)
     elif weight.dtype == torch.float32:
         return F.linear(x, weight, bias)

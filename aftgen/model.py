@@ -25,12 +25,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from aftgen import rowdot
 from aftgen.aoti import PackageRunner, UnlockedRunner
 from aftgen.compiled_cache import CacheUnusable, cached_package, compiled_folder
 from aftgen.device import Compiled, failure_line
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_open
-from aftgen.layers import Linear, linear, written_products
+from aftgen.layers import Linear, invariant_products, linear, written_products
 from aftgen.mixers import MIXERS, MixerState, make_mixer
 
 ModelState = list[MixerState]  # one mixer state per layer
@@ -456,6 +457,8 @@ def _compiled_step(model: AFTLM, max_batch: int, batch_invariant: bool) -> tuple
 def _step_runner(model: AFTLM, max_batch: int, kind: str) -> tuple[PackageRunner, str]:
     """The runner of the model's step package for 1 to `max_batch` rows, and " (from the cache)" where the
     cache had the package. On a CPU it runs without Python's lock (aftgen.aoti)."""
+    if kind == BATCH_INVARIANT:  # the package calls the product's library: loaded first, its symbols global
+        rowdot.library()
     path, origin = step_package(model, max_batch, kind)
     runner = UnlockedRunner if model.embed.weight.device.type == "cpu" else loaded_runner
     return runner(path, step_constants(model)), origin
@@ -497,20 +500,34 @@ def _package_step(model: AFTLM, max_batch: int, kind: str, path: Path) -> None:
         # torch's own pytree code trips torch's own deprecation (2.13): a warning no user can act on
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
         program = torch.export.export(_Step(model), (ids, state), dynamic_shapes=shapes)
-        configs = _package_configs(max_batch, kind)
+        configs = _package_configs(max_batch, kind) | _shims(kind)
         torch._inductor.aoti_compile_and_package(program, package_path=handle, inductor_configs=configs)
 
 
 def _package_configs(max_batch: int, kind: str) -> dict:
     """The compiler's settings for a package of 1 to `max_batch` rows (a new dict: the compiler adds to it)."""
     threads = STEP_THREADS["one row" if max_batch == 1 else "rows"]
-    return STEP_PACKAGE_CONFIG | threads | (WRITTEN_CONFIG if kind != KERNELS else {})
+    return STEP_PACKAGE_CONFIG | threads | (WRITTEN_CONFIG if kind == ONE_ROW_WRITTEN else {})
+
+
+def _shims(kind: str) -> dict:
+    """How a package of `kind` calls aftgen's own C functions (aftgen.rowdot: the batch-invariant product)."""
+    if kind != BATCH_INVARIANT:
+        return {}
+    return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.aftgen.rowdot.default: [rowdot.SHIM]}}
 
 
 @contextlib.contextmanager
 def _numerics(kind: str) -> Iterator[None]:
-    """How a package of `kind` is traced: its products written out or not."""
-    with written_products() if kind != KERNELS else contextlib.nullcontext():
+    """How a package of `kind` is traced: its products written out, or through aftgen.rowdot (the
+    batch-invariant step), or the matrix kernels'."""
+    if kind == ONE_ROW_WRITTEN:
+        with written_products():
+            yield
+    elif kind == BATCH_INVARIANT:
+        with invariant_products():
+            yield
+    else:
         yield
 
 

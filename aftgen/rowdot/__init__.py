@@ -45,14 +45,19 @@ class RowdotUnavailable(AftgenError):
 def library() -> ctypes.CDLL:
     """The product's library, built into aftgen's cache if it is not there intact, and loaded with its symbols
     global (step packages resolve `aoti_torch_cpu_rowdot` from it)."""
-    path, _ = cached_library(compiled_folder() / f"rowdot-{_key()}.so", _build)
-    loaded = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    loaded = ctypes.CDLL(str(library_path()), mode=ctypes.RTLD_GLOBAL)
     loaded.aftgen_rowdot.restype = None
     loaded.aftgen_rowdot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
     loaded.aftgen_rowdot_kernel.restype = ctypes.c_char_p
     loaded.aftgen_rowdot_kernel.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     return loaded
+
+
+def library_path() -> Path:
+    """The library in aftgen's cache as built and recorded: built now where it is missing or differs from its
+    record (aftgen.compiled_cache), with a line saying so where it was damaged."""
+    return cached_library(compiled_folder() / f"rowdot-{_key()}.so", _build)[0]
 
 
 def kernel(weight: torch.Tensor) -> str:

@@ -223,9 +223,15 @@ void aftgen_rowdot(const float* x, int64_t M, int64_t K, const void* w, int w_is
                    int vector_only) {
     int64_t vector_from = 0;
 #if defined(__x86_64__)
+    std::vector<float> x_in_bf16;
     if (!vector_only && std::strcmp(aftgen_rowdot_kernel(w_is_bf16, N, K), "amx") == 0) {
         amx_product(x, M, K, static_cast<const uint16_t*>(w), N, y);
-        vector_from = N - N % TILE;  // the last outputs, fewer than a tile
+        vector_from = N - N % TILE;  // the last outputs, fewer than a tile: x rounded as the tiles round it
+        if (vector_from < N) {
+            x_in_bf16.resize(size_t(M * K));
+            for (int64_t i = 0; i < M * K; ++i) x_in_bf16[size_t(i)] = widened(rounded_to_bf16(x[i]));
+            x = x_in_bf16.data();
+        }
     }
 #endif
     if (w_is_bf16)
