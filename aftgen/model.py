@@ -361,6 +361,7 @@ WRITTEN_CONFIG = {"emulate_precision_casts": True}  # written-out products round
 # The kinds of step package: the matrix kernels' (a batch's); a single row's with its products written out, for
 # weights stored lower (faster than the bf16 kernels at one row); and the batch-invariant one (aftgen.layers).
 KERNELS, ONE_ROW_WRITTEN, BATCH_INVARIANT = "kernels", "one row written out", "batch-invariant"
+WRITTEN, ROWDOT = "written out", "rowdot"  # how a package that is not KERNELS multiplies (_products)
 STEP_PACKAGE_FORMAT = 4  # bump when what a package holds or takes changes (4: a position per row)
 # The batch-invariant step (`compile_step(..., batch_invariant=True)`): one package serves 1 to MAX_ROWS rows
 # (aftgen.serve.options: --parallel at most), so every server and `aftgen sample --compile --batch-invariant`
@@ -457,7 +458,7 @@ def _compiled_step(model: AFTLM, max_batch: int, batch_invariant: bool) -> tuple
 def _step_runner(model: AFTLM, max_batch: int, kind: str) -> tuple[PackageRunner, str]:
     """The runner of the model's step package for 1 to `max_batch` rows, and " (from the cache)" where the
     cache had the package. On a CPU it runs without Python's lock (aftgen.aoti)."""
-    if kind == BATCH_INVARIANT:  # the package calls the product's library: loaded first, its symbols global
+    if _products(model, kind) == ROWDOT:  # the package calls the product's library: loaded first, symbols global
         rowdot.library()
     path, origin = step_package(model, max_batch, kind)
     runner = UnlockedRunner if model.embed.weight.device.type == "cpu" else loaded_runner
@@ -496,35 +497,42 @@ def _package_step(model: AFTLM, max_batch: int, kind: str, path: Path) -> None:
         rows = torch.export.Dim("rows", min=1, max=max_batch)
         per_layer = [{name: {0: rows} if t.dim() else None for name, t in layer.items()} for layer in state]
         shapes = ({0: rows}, per_layer)
-    with warnings.catch_warnings(), _numerics(kind), atomic_open(path) as handle:
+    with warnings.catch_warnings(), _numerics(_products(model, kind)), atomic_open(path) as handle:
         # torch's own pytree code trips torch's own deprecation (2.13): a warning no user can act on
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
         program = torch.export.export(_Step(model), (ids, state), dynamic_shapes=shapes)
-        configs = _package_configs(max_batch, kind) | _shims(kind)
+        configs = _package_configs(model, max_batch, kind) | _shims(model, kind)
         torch._inductor.aoti_compile_and_package(program, package_path=handle, inductor_configs=configs)
 
 
-def _package_configs(max_batch: int, kind: str) -> dict:
+def _products(model: AFTLM, kind: str) -> str:
+    """How a package of `kind` multiplies: through the matrix kernels, written out (a single row's, for
+    speed; a GPU's batch-invariant one), or through aftgen.rowdot (a CPU's batch-invariant one)."""
+    if kind == KERNELS:
+        return KERNELS
+    return ROWDOT if kind == BATCH_INVARIANT and model.embed.weight.device.type == "cpu" else WRITTEN
+
+
+def _package_configs(model: AFTLM, max_batch: int, kind: str) -> dict:
     """The compiler's settings for a package of 1 to `max_batch` rows (a new dict: the compiler adds to it)."""
     threads = STEP_THREADS["one row" if max_batch == 1 else "rows"]
-    return STEP_PACKAGE_CONFIG | threads | (WRITTEN_CONFIG if kind == ONE_ROW_WRITTEN else {})
+    return STEP_PACKAGE_CONFIG | threads | (WRITTEN_CONFIG if _products(model, kind) == WRITTEN else {})
 
 
-def _shims(kind: str) -> dict:
+def _shims(model: AFTLM, kind: str) -> dict:
     """How a package of `kind` calls aftgen's own C functions (aftgen.rowdot: the batch-invariant product)."""
-    if kind != BATCH_INVARIANT:
+    if _products(model, kind) != ROWDOT:
         return {}
     return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.aftgen.rowdot.default: [rowdot.SHIM]}}
 
 
 @contextlib.contextmanager
-def _numerics(kind: str) -> Iterator[None]:
-    """How a package of `kind` is traced: its products written out, or through aftgen.rowdot (the
-    batch-invariant step), or the matrix kernels'."""
-    if kind == ONE_ROW_WRITTEN:
+def _numerics(products: str) -> Iterator[None]:
+    """Tracing a package whose products are `products` (_products)."""
+    if products == WRITTEN:
         with written_products():
             yield
-    elif kind == BATCH_INVARIANT:
+    elif products == ROWDOT:
         with invariant_products():
             yield
     else:
@@ -538,8 +546,9 @@ def _step_key(model: AFTLM, max_batch: int, kind: str) -> str:
     device = model.embed.weight.device
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
+    configs = _package_configs(model, max_batch, kind)
     facts = [STEP_PACKAGE_FORMAT, model.config.to_dict(), max_batch, str(device), hardware, str(autocast),
-             str(model.embed.weight.dtype), torch.__version__, kind, _package_configs(max_batch, kind)]  # fmt: skip
+             str(model.embed.weight.dtype), torch.__version__, kind, configs]  # fmt: skip
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
     here = Path(__file__).parent
     for source in sorted([Path(__file__), here / "layers.py", *here.glob("mixers/*.py")]):  # the code the step runs
