@@ -95,7 +95,7 @@ def empty_state(batch: int, heads: int, head_dim: int, window: int, device=None)
 class StepTables(NamedTuple):
     """What the step reads of the window bias and the decay, laid out for it once per change of the parameters."""
 
-    window_weight: torch.Tensor  # (s + 1, H, s): row s - 1 - (n mod s) is every slot's exp(w) when token n is newest
+    window_weight: torch.Tensor  # (s + 1, s, H): row s - 1 - (n mod s) is every slot's exp(w) when token n is newest
     decay: torch.Tensor  # (H, 1): lambda, broadcast over channels
 
 
@@ -108,7 +108,7 @@ def step_tables(w: torch.Tensor, decay: torch.Tensor) -> StepTables:
     """
     s = w.shape[1]
     reversed_twice = w.exp().flip(1).repeat(1, 2).T  # (2s, H): entry m is distance (s - 1 - m) mod s
-    return StepTables(reversed_twice.unfold(0, s, 1), decay[:, None])
+    return StepTables(reversed_twice.unfold(0, s, 1).transpose(1, 2), decay[:, None])
 
 
 def ring_slot(position: torch.Tensor, s: int) -> torch.Tensor:
@@ -125,17 +125,19 @@ def aft_step(q, k, v, tables: StepTables, state: MixerState) -> torch.Tensor:
     """y (B, H, D) of one more token, q, k, v (B, H, D), updating `state` in place: O(s D) work.
 
     k already soft-capped. The token leaving the window moves into the prefix. The positions stay a
-    tensor and each row's slot is addressed with gather / scatter_, so there is no host sync and
+    tensor and each row's slot is addressed with index_select / index_copy_, so there is no host sync and
     torch.compile can fuse the whole step.
     """
-    s = tables.window_weight.shape[-1]
+    s = tables.window_weight.shape[1]
     position = state["position"]  # (B,)
-    win_exp_k, win_v = state["window_exp_k"], state["window_v"]  # (B, s, H, D)
     slot = ring_slot(position, s)  # (B,)
-    at_slot = _per_row(slot[:, None], win_exp_k)  # (B, 1, H, D)
+    # The windows (B, s, H, D) seen as (B s, H, D), a view (so writes reach the state): row b's slot j is entry
+    # b s + j, and each row's slot moves as one block (gather / scatter_ on the 4-d window took twice as long).
+    win_exp_k, win_v = (state[name].view(-1, *state[name].shape[2:]) for name in ("window_exp_k", "window_v"))
     if s:  # an empty slot's exp(k) is 0: its key, -inf, weighs nothing below
-        leaving_k = win_exp_k.gather(1, at_slot)[:, 0].log()  # (B, H, D)
-        leaving_v = win_v.gather(1, at_slot)[:, 0]
+        at_slot = torch.arange(0, position.shape[0] * s, s, device=position.device).add_(slot)  # (B,)
+        leaving_k = win_exp_k.index_select(0, at_slot).log()  # (B, H, D)
+        leaving_v = win_v.index_select(0, at_slot)
     else:
         leaving_k, leaving_v = k, v
 
@@ -148,8 +150,8 @@ def aft_step(q, k, v, tables: StepTables, state: MixerState) -> torch.Tensor:
     torch.sub(top, tables.decay, out=p)
 
     if s:
-        win_exp_k.scatter_(1, at_slot, k.exp()[:, None])
-        win_v.scatter_(1, at_slot, v[:, None])
+        win_exp_k.index_copy_(0, at_slot, k.exp())
+        win_v.index_copy_(0, at_slot, v)
     y = latest_output(q, tables, state, slot)
     position.add_(1)
     return y
@@ -161,13 +163,13 @@ def latest_output(q: torch.Tensor, tables: StepTables, state: MixerState, newest
     Its window holds the last s tokens, weighted exp(k + w[distance]), summed in slot order; its prefix
     everything older, exp(prefix_max) times the stored sums, already decayed to this token.
     """
-    s = tables.window_weight.shape[-1]
+    s = tables.window_weight.shape[1]
     a, b, p = state["prefix_num"], state["prefix_den"], state["prefix_max"]  # (B, H, D)
     if not s:
         return torch.sigmoid(q).mul_(a).div_(b)
     win_exp_k, win_v = state["window_exp_k"], state["window_v"]  # (B, s, H, D), in the ring's slots
-    bias_weight = tables.window_weight.index_select(0, (s - 1) - newest_slot)  # (B, H, s): each slot's exp(w)
-    weights = win_exp_k * bias_weight.permute(0, 2, 1)[..., None]  # (B, s, H, D): exp(k + w[distance])
+    bias_weight = tables.window_weight.index_select(0, (s - 1) - newest_slot)  # (B, s, H): each slot's exp(w)
+    weights = win_exp_k * bias_weight[..., None]  # (B, s, H, D): exp(k + w[distance])
     prefix_weight = p.exp()
     num = torch.linalg.vecdot(weights, win_v, dim=1).addcmul_(a, prefix_weight)
     den = weights.sum(dim=1).addcmul_(b, prefix_weight)
