@@ -12,6 +12,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -23,33 +25,35 @@
 namespace {
 
 #define INLINE inline __attribute__((always_inline))
-#if defined(__x86_64__)  // the vector kernel compiled for each level, the best one taken as the library loads
-#define FOR_EACH_LEVEL __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FOR_EACH_LEVEL
-#endif
 
 constexpr int LANES = 16;  // partial sums per output in the vector kernel
-typedef float Lanes __attribute__((vector_size(LANES * 4)));
-typedef uint16_t Halves __attribute__((vector_size(LANES * 2)));
-typedef uint32_t Words __attribute__((vector_size(LANES * 4)));
 
-INLINE Lanes lanes_of(const float* p) {
-    Lanes v;
+// WIDTH floats, one machine register: the partial sums of an output are 16 / WIDTH of them.
+template <int WIDTH>
+struct Register;
+template <>
+struct Register<16> {
+    typedef float Floats __attribute__((vector_size(64)));
+};
+template <>
+struct Register<8> {
+    typedef float Floats __attribute__((vector_size(32)));
+};
+template <>
+struct Register<4> {
+    typedef float Floats __attribute__((vector_size(16)));
+};
+template <int WIDTH>
+using Floats = typename Register<WIDTH>::Floats;
+
+template <int WIDTH>
+INLINE Floats<WIDTH> floats_at(const float* p) {
+    Floats<WIDTH> v;
     std::memcpy(&v, p, sizeof v);
     return v;
 }
 
-INLINE Lanes lanes_of(const uint16_t* p) {  // bf16 widened: its bits are a float32's top half
-    Halves h;
-    std::memcpy(&h, p, sizeof h);
-    Words bits = __builtin_convertvector(h, Words) << 16;
-    Lanes v;
-    std::memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
-INLINE float widened(uint16_t bf16) {
+INLINE float widened(uint16_t bf16) {  // its bits are a float32's top half
     uint32_t bits = uint32_t(bf16) << 16;
     float value;
     std::memcpy(&value, &bits, 4);
@@ -65,59 +69,177 @@ inline uint16_t rounded_to_bf16(float value) {  // round to nearest even, as tor
     return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-INLINE float tree_sum(const float* lanes) {  // lanes[0..16): pairs at distance 8, 4, 2, 1
-    float s8[8], s4[4];
-    for (int l = 0; l < 8; ++l) s8[l] = lanes[l] + lanes[l + 8];
-    for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+// An output's 16 partial sums are summed by a fixed tree: pairs at distance 8, then 4, 2 and 1, whatever the
+// register width. The levels at distances of a register or more add whole registers of one output; those
+// below add pairs of lanes, two outputs' at a time, so that the adds stay vector ones.
+
+// COUNT outputs' registers (parts[p][i]: output i's lanes p WIDTH ..) summed at the distances of a register or
+// more, into parts[0]: each output's first WIDTH sums of the tree.
+template <int WIDTH, int COUNT>
+INLINE void register_sums(Floats<WIDTH> (*parts)[COUNT]) {
+    for (int distance = LANES / 2; distance >= WIDTH; distance /= 2)
+        for (int p = 0; p < distance / WIDTH; ++p)
+            for (int i = 0; i < COUNT; ++i) parts[p][i] += parts[p + distance / WIDTH][i];
 }
 
-// y[r][o] for ROWS rows of x (from x, stride K) and OUTS rows of w (from w, stride K), into y (stride N). Each
-// output the same arithmetic whatever ROWS and OUTS: input k into partial sum k mod 16, then tree_sum.
-template <int ROWS, int OUTS, typename W>
-INLINE void vector_block(const float* x, int64_t K, const W* w, int64_t N, float* y) {
-    Lanes sums[ROWS][OUTS] = {};
-    const int64_t whole = K - K % LANES;
-    for (int64_t k = 0; k < whole; k += LANES) {
-        Lanes inputs[ROWS];
-        for (int r = 0; r < ROWS; ++r) inputs[r] = lanes_of(x + r * K + k);
-        for (int o = 0; o < OUTS; ++o) {
-            const Lanes weights = lanes_of(w + o * K + k);
-            for (int r = 0; r < ROWS; ++r) sums[r][o] += inputs[r] * weights;
-        }
+// One level below a register, for two outputs' registers a and b, each holding every output's sums in groups
+// of 2 DISTANCE lanes: lane i + DISTANCE of a group added to lane i, a's sums then b's in the result.
+template <int DISTANCE, int WIDTH, int... LANE>
+INLINE Floats<WIDTH> pairs_summed(Floats<WIDTH> a, Floats<WIDTH> b, std::integer_sequence<int, LANE...>) {
+    return __builtin_shufflevector(a, b, (LANE / DISTANCE * 2 * DISTANCE + LANE % DISTANCE)...) +
+           __builtin_shufflevector(a, b, (LANE / DISTANCE * 2 * DISTANCE + LANE % DISTANCE + DISTANCE)...);
+}
+
+// The levels below a register for COUNT outputs (a power of two up to WIDTH), output o into lane o of sums[0].
+template <int WIDTH, int DISTANCE, int COUNT>
+INLINE void lane_sums(Floats<WIDTH>* sums) {
+    if constexpr (DISTANCE >= 1) {
+        constexpr auto lanes = std::make_integer_sequence<int, WIDTH>();
+        if (COUNT == 1) sums[0] = pairs_summed<DISTANCE, WIDTH>(sums[0], sums[0], lanes);
+        for (int i = 0; i < COUNT / 2; ++i) sums[i] = pairs_summed<DISTANCE, WIDTH>(sums[2 * i], sums[2 * i + 1], lanes);
+        lane_sums<WIDTH, DISTANCE / 2, (COUNT + 1) / 2>(sums);
     }
-    for (int r = 0; r < ROWS; ++r)
-        for (int o = 0; o < OUTS; ++o) {
-            float partial[LANES];
-            std::memcpy(partial, &sums[r][o], sizeof partial);
-            for (int64_t k = whole; k < K; ++k) partial[k - whole] += x[r * K + k] * widened(w[o * K + k]);
-            y[r * N + o] = tree_sum(partial);
+}
+
+// The tree's sums of COUNT outputs (their register_sums) into outputs[0 .. COUNT), by as many at a time as a
+// power of two up to WIDTH allows.
+template <int WIDTH, int COUNT>
+INLINE void tree_sums(Floats<WIDTH>* sums, float* outputs) {
+    constexpr int GROUP = COUNT >= WIDTH ? WIDTH : COUNT >= 8 ? 8 : COUNT >= 4 ? 4 : COUNT >= 2 ? 2 : 1;
+    lane_sums<WIDTH, WIDTH / 2, GROUP>(sums);
+    std::memcpy(outputs, sums, sizeof(float) * GROUP);
+    if constexpr (COUNT > GROUP) tree_sums<WIDTH, COUNT - GROUP>(sums + GROUP, outputs + GROUP);
+}
+
+// y[r][o] for ROWS rows of x (from x, stride x_stride) and OUTS rows of w (from w, stride w_stride, both
+// readable up to K rounded up to 16), into y (stride N), the first `stored` outputs kept. Each output the same
+// arithmetic whatever ROWS and OUTS: input k into partial sum k mod 16 (the last K % 16 inputs into the first
+// sums, the others left as they are), then the tree.
+template <int WIDTH, int ROWS, int OUTS>
+INLINE void vector_block(const float* x, int64_t x_stride, const float* w, int64_t w_stride, int64_t K, float* y,
+                         int64_t N, int stored) {
+    constexpr int PARTS = LANES / WIDTH;
+    Floats<WIDTH> sums[PARTS][ROWS * OUTS] = {};  // [part][r][o]
+    const int64_t whole = K - K % LANES;
+    for (int64_t k = 0; k < whole; k += LANES)
+        for (int p = 0; p < PARTS; ++p) {
+            Floats<WIDTH> inputs[ROWS];
+            for (int r = 0; r < ROWS; ++r) inputs[r] = floats_at<WIDTH>(x + r * x_stride + k + p * WIDTH);
+            for (int o = 0; o < OUTS; ++o) {
+                const Floats<WIDTH> weights = floats_at<WIDTH>(w + o * w_stride + k + p * WIDTH);
+                for (int r = 0; r < ROWS; ++r) sums[p][r * OUTS + o] += inputs[r] * weights;
+            }
         }
+    if (whole < K)
+        for (int p = 0; p < PARTS; ++p) {
+            Floats<WIDTH> lane;
+            for (int i = 0; i < WIDTH; ++i) lane[i] = float(p * WIDTH + i);
+            const auto taken = lane < float(K - whole);
+            for (int o = 0; o < OUTS; ++o) {
+                const Floats<WIDTH> weights = floats_at<WIDTH>(w + o * w_stride + whole + p * WIDTH);
+                for (int r = 0; r < ROWS; ++r) {
+                    Floats<WIDTH>& sum = sums[p][r * OUTS + o];
+                    sum = taken ? sum + floats_at<WIDTH>(x + r * x_stride + whole + p * WIDTH) * weights : sum;
+                }
+            }
+        }
+    register_sums<WIDTH, ROWS * OUTS>(sums);
+    float outputs[ROWS * OUTS];
+    tree_sums<WIDTH, ROWS * OUTS>(sums[0], outputs);
+    for (int r = 0; r < ROWS; ++r)
+        if (stored == OUTS)
+            std::memcpy(y + r * N, outputs + r * OUTS, sizeof(float) * OUTS);
+        else
+            for (int o = 0; o < stored; ++o) y[r * N + o] = outputs[r * OUTS + o];
 }
 
-template <int ROWS, typename W>
-INLINE void vector_rows(const float* x, int64_t K, const W* w, int64_t n_from, int64_t N, float* y) {
-    int64_t n = n_from;
-    for (; n + 4 <= N; n += 4) vector_block<ROWS, 4>(x, K, w + n * K, N, y + n);
-    for (; n < N; ++n) vector_block<ROWS, 1>(x, K, w + n * K, N, y + n);
-}
+INLINE int64_t rounded_up(int64_t K) { return (K + LANES - 1) / LANES * LANES; }
 
+// Rows [from, from + count) of w (N, K), widened to float32, as `count` rows of rounded_up(K) floats: inputs
+// past K and rows past N zero.
 template <typename W>
-INLINE void vector_product(const float* x, int64_t M, int64_t K, const W* w, int64_t n_from, int64_t N, float* y) {
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2) vector_rows<2>(x + m * K, K, w, n_from, N, y + m * N);
-    for (; m < M; ++m) vector_rows<1>(x + m * K, K, w, n_from, N, y + m * N);
+INLINE void padded_rows(const W* w, int64_t N, int64_t K, int64_t from, int64_t count, float* rows) {
+    const int64_t stride = rounded_up(K);
+    for (int64_t o = 0; o < count; ++o) {
+        float* row = rows + o * stride;
+        const int64_t copied = from + o < N ? K : 0;
+        for (int64_t k = 0; k < copied; ++k) row[k] = widened(w[(from + o) * K + k]);
+        std::memset(row + copied, 0, sizeof(float) * (stride - copied));
+    }
 }
 
-FOR_EACH_LEVEL void vector_product_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t n_from,
-                                        int64_t N, float* y) {
-    vector_product(x, M, K, w, n_from, N, y);
+// Outputs n_from .. N of every row, OUTS outputs at a time, by blocks of ROWS rows and then one row at a time
+// for the rows left over. The outer loop is over outputs so that their weights stay in cache for all the rows.
+// The weights are read in place where they are float32 rows of whole 16s, else from a copy widened and padded
+// with zeros (the copy changes no value: the sums only read as far as K), as are the inputs.
+template <int WIDTH, int ROWS, int OUTS, typename W>
+INLINE void blocked_product(const float* x, int64_t M, int64_t K, const W* w, int64_t n_from, int64_t N, float* y) {
+    const int64_t stride = rounded_up(K);
+    std::vector<float> x_copy, w_copy(size_t(OUTS * stride));
+    if (stride != K) {
+        x_copy.resize(size_t(M * stride));
+        padded_rows(x, M, K, 0, M, x_copy.data());
+    }
+    const float* inputs = stride == K ? x : x_copy.data();
+    for (int64_t n = n_from; n < N; n += OUTS) {
+        const int outputs = int(N - n < OUTS ? N - n : OUTS);
+        const float* weights = w_copy.data();
+        if (std::is_same<W, float>::value && stride == K && outputs == OUTS)
+            weights = reinterpret_cast<const float*>(w) + n * K;
+        else
+            padded_rows(w, N, K, n, OUTS, w_copy.data());
+        int64_t m = 0;
+        for (; m + ROWS <= M; m += ROWS)
+            vector_block<WIDTH, ROWS, OUTS>(inputs + m * stride, stride, weights, stride, K, y + m * N + n, N,
+                                            outputs);
+        for (; m < M; ++m)
+            vector_block<WIDTH, 1, OUTS>(inputs + m * stride, stride, weights, stride, K, y + m * N + n, N, outputs);
+    }
 }
 
-FOR_EACH_LEVEL void vector_product_f32(const float* x, int64_t M, int64_t K, const float* w, int64_t n_from,
-                                       int64_t N, float* y) {
-    vector_product(x, M, K, w, n_from, N, y);
+// The vector kernel with registers of WIDTH floats in blocks of ROWS x OUTS outputs. Which of them runs
+// changes how fast, never what: each output is summed alone, in the same order.
+template <int WIDTH, int ROWS, int OUTS>
+INLINE void vector_product(const float* x, int64_t M, int64_t K, const void* w, bool w_is_bf16, int64_t n_from,
+                           int64_t N, float* y) {
+    if (w_is_bf16)
+        blocked_product<WIDTH, ROWS, OUTS>(x, M, K, static_cast<const uint16_t*>(w), n_from, N, y);
+    else
+        blocked_product<WIDTH, ROWS, OUTS>(x, M, K, static_cast<const float*>(w), n_from, N, y);
 }
+
+// One per level of the machine, compiled for it, each block's sums filling its registers: AVX-512's 32 of 16
+// floats hold 4 x 6 outputs' sums, AVX2's 16 of 8 hold 2 x 3 (2 registers an output); 128-bit ones 2 x 2.
+typedef void (*VectorProduct)(const float* x, int64_t M, int64_t K, const void* w, bool w_is_bf16, int64_t n_from,
+                              int64_t N, float* y);
+
+#if defined(__x86_64__)
+__attribute__((target("arch=x86-64-v4"))) void vector_product_v4(const float* x, int64_t M, int64_t K, const void* w,
+                                                                  bool w_is_bf16, int64_t n_from, int64_t N, float* y) {
+    vector_product<16, 4, 6>(x, M, K, w, w_is_bf16, n_from, N, y);
+}
+
+__attribute__((target("arch=x86-64-v3"))) void vector_product_v3(const float* x, int64_t M, int64_t K, const void* w,
+                                                                  bool w_is_bf16, int64_t n_from, int64_t N, float* y) {
+    vector_product<8, 2, 3>(x, M, K, w, w_is_bf16, n_from, N, y);
+}
+#endif
+
+void vector_product_base(const float* x, int64_t M, int64_t K, const void* w, bool w_is_bf16, int64_t n_from,
+                         int64_t N, float* y) {
+    vector_product<4, 2, 2>(x, M, K, w, w_is_bf16, n_from, N, y);
+}
+
+VectorProduct machine_vector_product() {
+#if defined(__x86_64__)
+    __builtin_cpu_init();  // this runs as the library loads, perhaps before the compiler's runtime has looked
+    if (__builtin_cpu_supports("x86-64-v4")) return vector_product_v4;
+    if (__builtin_cpu_supports("x86-64-v3")) return vector_product_v3;
+#endif
+    return vector_product_base;
+}
+
+const VectorProduct VECTOR_PRODUCT = machine_vector_product();
 
 #if defined(__x86_64__)
 
@@ -234,10 +356,7 @@ void aftgen_rowdot(const float* x, int64_t M, int64_t K, const void* w, int w_is
         }
     }
 #endif
-    if (w_is_bf16)
-        vector_product_bf16(x, M, K, static_cast<const uint16_t*>(w), vector_from, N, y);
-    else
-        vector_product_f32(x, M, K, static_cast<const float*>(w), vector_from, N, y);
+    VECTOR_PRODUCT(x, M, K, w, w_is_bf16, vector_from, N, y);
 }
 
 // The package's call (AOTInductor's custom-op shim, aot_inductor.custom_ops_to_c_shims): a new y for x and w.
