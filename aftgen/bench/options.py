@@ -17,7 +17,7 @@ class BenchServeOptions:
     threads: int | None = None  # the server's torch threads
     device: str = "auto"  # the server's --device
     dtype: str = "auto"  # the server's --dtype
-    batch_invariant: bool = False  # the server's --batch-invariant
+    batch_invariant: bool | None = None  # the server's --batch-invariant (None: its default)
 
     def check(self) -> None:
         if not 16 <= self.tokens <= 4096:

@@ -33,6 +33,7 @@ from aftgen.bench.targets import TARGETS, Row
 from aftgen.device import Placement, resolve, synchronize
 from aftgen.errors import AftgenError
 from aftgen.files import read_text
+from aftgen.layers import batch_invariant_by_default
 from aftgen.model import AFTLM
 from aftgen.sampling import SamplingOptions, choose, new_generator
 from aftgen.serve.batch import Batch, CompiledBatchStep
@@ -122,7 +123,8 @@ class ServerProcess:
                    "--dtype", options.dtype]  # fmt: skip
         command += ["--model", options.model] if options.model else []
         command += ["--threads", str(options.threads)] if options.threads else []
-        command += ["--batch-invariant"] if options.batch_invariant else []
+        if options.batch_invariant is not None:
+            command += ["--batch-invariant" if options.batch_invariant else "--no-batch-invariant"]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="aftgen-bench-serve-", suffix=".log", delete=False)
         self.process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log, env=env
@@ -239,9 +241,10 @@ class Ceiling:
         self.placement: Placement = resolve(options.device, options.dtype, generating=True)
         self.model: AFTLM = load(options.model, self.placement.device)[0].eval().lower_weights(self.placement.weights)
         self.threads = threads
-        self.step = CompiledBatchStep(  # the server's: --parallel 32
-            self.model, max(STREAMS), self.placement, batch_invariant=options.batch_invariant
-        )
+        invariant = options.batch_invariant
+        invariant = batch_invariant_by_default(self.placement.device, True) if invariant is None else invariant
+        # the server's step: --parallel 32
+        self.step = CompiledBatchStep(self.model, max(STREAMS), self.placement, batch_invariant=invariant)
 
     @torch.inference_mode()
     def tokens_per_s(self, streams: int, steps: int) -> float:

@@ -220,7 +220,12 @@ def bench_serve_command(
     device: DeviceOption = BenchServeOptions.device,
     dtype: DtypeOption = BenchServeOptions.dtype,
     batch_invariant: Annotated[
-        bool, typer.Option("--batch-invariant", help="Serve with --batch-invariant (and time its engine so).")
+        bool | None,
+        typer.Option(
+            "--batch-invariant/--no-batch-invariant",
+            help="Serve with --batch-invariant or without it (and time its engine so); default: the server's.",
+            show_default=False,
+        ),
     ] = BenchServeOptions.batch_invariant,
     as_json: AsJson = False,
 ) -> None:

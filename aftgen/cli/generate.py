@@ -25,7 +25,7 @@ from aftgen.cli.common import (
 from aftgen.corpus import CorpusOptions
 from aftgen.errors import AftgenError
 from aftgen.files import read_text
-from aftgen.layers import BATCH_INVARIANT_HELP
+from aftgen.layers import BATCH_INVARIANT_HELP, batch_invariant_by_default
 from aftgen.options import flag
 from aftgen.sampling import CONTROLS, check_seed
 from aftgen.sampling import SamplingOptions as Defaults
@@ -103,10 +103,11 @@ Compile = Annotated[
     ),
 ]
 BatchInvariant = Annotated[
-    bool,
+    bool | None,
     typer.Option(
         "--batch-invariant/--no-batch-invariant",
         help=f"With --compile: the step of `aftgen serve --batch-invariant`, and its text. {BATCH_INVARIANT_HELP}",
+        show_default=False,
     ),
 ]
 
@@ -123,7 +124,7 @@ def _load_for_generation(
     model: str | None,
     load_state: Path | None,
     compile_step: bool,
-    batch_invariant: bool,
+    batch_invariant: bool | None,
     where,
     constraint: Constraint | None = None,
 ):
@@ -141,7 +142,8 @@ def _load_for_generation(
     context = read_state(load_state, lm, tokenizer) if load_state else None
     step = lm.step
     if compile_step:
-        step, note = compiled(lm, batch_invariant=batch_invariant)
+        invariant = batch_invariant_by_default(where.device, True) if batch_invariant is None else batch_invariant
+        step, note = compiled(lm, batch_invariant=invariant)
         print(f"step: {note}", file=sys.stderr)
     return lm, tokenizer, context, step
 
@@ -169,7 +171,7 @@ def sample(
     load_state: LoadState = None,
     save_state: SaveState = None,
     compile_step: Compile = False,
-    batch_invariant: BatchInvariant = False,
+    batch_invariant: BatchInvariant = None,
     echo: Annotated[bool, typer.Option(help="Print the prompt before the continuation.")] = True,
     **shared,
 ) -> None:
@@ -263,7 +265,7 @@ def chat(
     load_state: LoadState = None,
     save_state: SaveState = None,
     compile_step: Compile = False,
-    batch_invariant: BatchInvariant = False,
+    batch_invariant: BatchInvariant = None,
     **shared,
 ) -> None:
     """Talk to a model: each line you type is read into the running state and the model answers.

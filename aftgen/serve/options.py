@@ -81,7 +81,9 @@ class ServeOptions:
         "Compile the batched step at start (tens of seconds the first time, about one once cached).",
         flags=("--compile/--no-compile",),
     )
-    batch_invariant: bool = _hardware(False, BATCH_INVARIANT_HELP, flags=("--batch-invariant/--no-batch-invariant",))
+    batch_invariant: bool | None = _hardware(
+        None, BATCH_INVARIANT_HELP, flags=("--batch-invariant/--no-batch-invariant",)
+    )
     device: str = _hardware("auto", DEVICE_HELP)
     dtype: str = _hardware("auto", DTYPE_HELP)
     threads: int | None = _hardware(
