@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -13,14 +12,8 @@ import pytest
 from conftest import DEVICE, make_corpus
 from test_serve import assert_openai_error, client, post, running
 
-import aftgen.serve.engine
 from aftgen.api import load
-from aftgen.device import resolve
 from aftgen.evaluate import evaluate_text
-from aftgen.sampling import SamplingOptions, read_score
-from aftgen.serve.engine import Engine
-from aftgen.serve.options import ServeOptions
-from aftgen.serve.work import Done, Text, Work
 
 HELD_OUT = make_corpus(1500, seed=48)  # text the tiny model never trained on; several prompt chunks long
 
@@ -175,35 +168,3 @@ def test_a_prompt_of_token_ids_scores_as_its_text(url, tokenizer):
 def test_bad_logprobs_fields_get_400_naming_the_field(url, path, fields, param):
     body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
     assert_openai_error(post(url, path, json=body | fields), 400, param)
-
-
-def test_scores_are_worked_out_while_the_model_steps(tiny_run, monkeypatch):
-    """The engine's thread, which sets a busy server's pace, only steps the model while another packs the drawn
-    tokens' scores: token_scores waiting each turn for the step to begin ends (in the engine's thread, before the
-    step, it never would), and every token gets its record."""
-    model, tokenizer = load(tiny_run, DEVICE)
-    engine = Engine(model, tokenizer, ServeOptions(cache_mb=0), resolve(DEVICE, "fp32"))
-    events: list = []
-    engine.publish = events.extend
-    stepping, step, scores = threading.Event(), engine.batch.run_step, aftgen.serve.engine.token_scores
-
-    def marked_step(ids, state):
-        stepping.set()
-        return step(ids, state)
-
-    def scores_once_stepping(logits, tokens, top):
-        assert stepping.wait(5), "the scores were worked out before the step, in the engine's thread"
-        stepping.clear()
-        return scores(logits, tokens, top)
-
-    engine.batch.run_step = marked_step
-    monkeypatch.setattr(aftgen.serve.engine, "token_scores", scores_once_stepping)
-    ticket = engine.submit(Work(tokenizer.encode("KING:"), SamplingOptions(max_new_tokens=8, seed=3), logprobs=2))
-    try:
-        while not any(isinstance(event, Done) for _, event in events):
-            engine.turn()
-    finally:
-        engine.stop()
-    records = [score for t, event in events if t is ticket and isinstance(event, Text) for score in event.scores]
-    assert len(records) == 8
-    assert all(len(read_score(record, 2)[1]) == 2 for _, _, record in records)

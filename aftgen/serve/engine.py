@@ -15,7 +15,6 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -106,9 +105,6 @@ class Engine:
         self.publish: Callable[[list[tuple[Ticket, Event]]], None] = lambda events: None
         self.thread: threading.Thread | None = None
         self.stopping = False
-        # Scores are worked out in a thread of their own while the model steps (its call lets go of Python's
-        # lock): on 2 cores, logprobs' top-k and packing in the engine's thread cost it a tenth of its time a token.
-        self.scorer = ThreadPoolExecutor(1, thread_name_prefix="aftgen-scores")
 
     # --- the HTTP side's calls (any thread) ---
 
@@ -121,7 +117,6 @@ class Engine:
         self.wake.set()
         if self.thread is not None:
             self.thread.join()
-        self.scorer.shutdown()
 
     def submit(self, work: Work, inbox: object = None) -> Ticket:
         """Queue a request whose events go to `inbox` (see `publish`). When every row is taken and the queue
@@ -339,41 +334,32 @@ class Engine:
         return Text(0, text, [(start, *score) for start, score in zip(starts, scores, strict=True)])
 
     def _step(self) -> None:
-        """One batched step: every row's next token in, every row's logits out (the drawn tokens' scores worked
-        out meanwhile)."""
+        """One batched step: every row's next token in, every row's logits out."""
         tokens = self._choose()
         rows = list(self.batch.rows)  # less those whose requests failed in _choose
         if not rows:
             return
-        scoring = self._scores(rows, tokens)
+        scores = self._scores(rows, tokens)
         logits = self.batch.step(tokens)
-        scores = [None] * len(rows) if scoring is None else scoring.result()
         for row, token, row_logits, score in zip(rows, tokens.tolist(), logits.split(1), scores, strict=True):
             if score is not None:  # where the token's text starts, the token, its score record
                 row.held.append((row.echoed + row.stream.decoded, *score))
             self._text(row, row.stream.accept(token, row_logits))
         self._finish([row for row in rows if row.stream.done])
 
-    def _scores(self, rows: list[Row], tokens: torch.Tensor) -> Future[list[tuple | None]] | None:
-        """The drawn tokens' scores for the rows whose requests ask for them (None for the others), in one pass
-        in the scorer's thread; None where no row asks."""
+    def _scores(self, rows: list[Row], tokens: torch.Tensor) -> list[tuple | None]:
+        """The drawn tokens' scores for the rows whose requests ask for them, in one pass (None for the others)."""
         wanting = [i for i, row in enumerate(rows) if row.ticket.work.logprobs is not None]
         if not wanting:
-            return None
+            return [None] * len(rows)
         top = max(rows[i].ticket.work.logprobs for i in wanting)
         logits = self.batch.logits  # the rows' own, as they drew from them (None: rows joined or left since)
         logits = torch.cat([row.stream.context.logits for row in rows]) if logits is None else logits
-        return self.scorer.submit(self._scored, logits, tokens, wanting, top)
-
-    def _scored(self, logits: torch.Tensor, tokens: torch.Tensor, wanting: list[int], top: int) -> list[tuple | None]:
-        """Each row's scores under logits (B, V) for its token (B,): token_scores' for the `wanting` rows, else None."""
-        count = len(tokens)
-        with self.placement.autocast(), torch.inference_mode():  # as in the engine's thread
-            if len(wanting) < count:
-                index = torch.tensor(wanting, device=logits.device)
-                logits, tokens = logits[index], tokens[index]
-            scores = dict(zip(wanting, token_scores(logits, tokens, top), strict=True))
-        return [scores.get(i) for i in range(count)]
+        if len(wanting) < len(rows):
+            index = torch.tensor(wanting, device=logits.device)
+            logits, tokens = logits[index], tokens[index]
+        scores = dict(zip(wanting, token_scores(logits, tokens, top), strict=True))
+        return [scores.get(i) for i in range(len(rows))]
 
     def _choose(self) -> torch.Tensor:
         """Every row's next token (B,), in the batch's order, drawn in one pass (each row from its own options,
