@@ -544,14 +544,14 @@ def _numerics(products: str) -> Iterator[None]:
 
 def _step_key(model: AFTLM, max_batch: int, kind: str) -> str:
     """What a compiled step depends on: the architecture, the batch range, the step's code, torch, the
-    machine's instruction set or GPU, autocast and the weights' dtype. Not the weights: the package is handed
-    them when it is loaded."""
+    machine's instruction set or GPU, autocast, the weights' dtype and how it calls aftgen.rowdot. Not the
+    weights: the package is handed them when it is loaded."""
     device = model.embed.weight.device
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
     configs = _package_configs(model, max_batch, kind)
     facts = [STEP_PACKAGE_FORMAT, model.config.to_dict(), max_batch, str(device), hardware, str(autocast),
-             str(model.embed.weight.dtype), torch.__version__, kind, configs]  # fmt: skip
+             str(model.embed.weight.dtype), torch.__version__, kind, configs, rowdot.SHIM]  # fmt: skip
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
     here = Path(__file__).parent
     for source in sorted([Path(__file__), here / "layers.py", *here.glob("mixers/*.py")]):  # the code the step runs
