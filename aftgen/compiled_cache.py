@@ -49,19 +49,21 @@ def compiled_folder() -> Path:
 def cached_package(package: Path, build: Callable[[Path], None]) -> tuple[Path, str]:
     """`package`, its library beside it, and " (from the cache)" where the cache holds both as recorded;
     else both built now (`build(package)` writes the package) and recorded, and ""."""
-    return _cached(package, {"package": package, "library": library_of(package)}, build, _record_package)
+    files_of = {"package": package, "library": library_of(package)}
+    return _cached(package, files_of, build, _record_package, "the compiled step")
 
 
 def cached_library(library: Path, build: Callable[[Path], None]) -> tuple[Path, str]:
     """A shared library of aftgen's own (aftgen.rowdot) that `build(library)` writes, checked and recorded as a
     package is; and " (from the cache)" where the cache held it intact."""
-    return _cached(library, {"library": library}, build, _record_library)
+    return _cached(library, {"library": library}, build, _record_library, "the batch-invariant product's library")
 
 
 def _cached(
-    path: Path, recorded: dict[str, Path], build: Callable[[Path], None], record: Callable[[Path], None]
+    path: Path, recorded: dict[str, Path], build: Callable[[Path], None], record: Callable[[Path], None], what: str
 ) -> tuple[Path, str]:
-    """`path` as the cache holds it where each of `recorded`'s files matches its record, else built again."""
+    """`path` as the cache holds it where each of `recorded`'s files matches its record, else built again
+    (`what`: its name in the line that says so)."""
     _check_folder(path.parent)
     # One process at a time: another one starting meanwhile would take a file built but not yet recorded
     # for a damaged one and delete it, and two compiling at once each take twice as long on a few cores.
@@ -70,7 +72,7 @@ def _cached(
             damage = _damage(path, recorded)
             if not damage:
                 return path, " (from the cache)"
-            print(f"warning: the compiled step in the cache was damaged ({damage}): compiling it again",
+            print(f"warning: {what} in the cache was damaged ({damage}): compiling it again",
                   file=sys.stderr, flush=True)  # fmt: skip
         for stale in (*recorded.values(), _record_of(path)):  # what a rebuild could not write over
             _delete(stale)

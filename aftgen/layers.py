@@ -22,28 +22,36 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aftgen.rowdot import rowdot
+from aftgen.rowdot import bf16_tiles, rowdot, unavailable
 
 _WRITTEN = contextvars.ContextVar("written_products", default=False)
 _INVARIANT = contextvars.ContextVar("invariant_products", default=False)
 BATCH_INVARIANT_HELP = (
     "Make a row's numbers the same whatever else shares the step, so a seeded request gives the same text alone "
-    "or beside others. Default: on for a compiled step on a CPU (as fast as the matrix kernels); off on a GPU "
-    "(its products written out) and for the eager step (each row stepped apart)."
+    "or beside others. Default: on for a compiled step on a CPU with float32 weights or AMX (as fast as the "
+    "matrix kernels there); off on a GPU (its products written out) and for the eager step (rows stepped apart)."
 )
 
 
-def batch_invariant_by_default(device: torch.device, compiled: bool) -> bool:
-    """--batch-invariant where it is not given: on where it costs nothing, a compiled step on a CPU (its products
-    through aftgen.rowdot); off on a GPU, whose products it writes out, and for the eager step, whose rows it
-    steps one at a time."""
-    return compiled and device.type == "cpu"
+def batch_invariant(asked: bool | None, device: torch.device, compiled: bool, weights: torch.dtype) -> bool:
+    """--batch-invariant as given, else on where it costs nothing: a compiled step on a CPU whose products
+    aftgen.rowdot runs as fast as the matrix kernels (float32 weights, or bf16 ones on AMX). Off on a GPU, whose
+    products it writes out, for the eager step, whose rows it steps one at a time, for bf16 weights without AMX
+    (widened as they are read), and where rowdot cannot be built (one line says why)."""
+    if asked is not None or not compiled or device.type != "cpu":
+        return bool(asked)
+    reason = unavailable()
+    if reason:
+        print(f"warning: {reason}: the step is not batch-invariant", file=sys.stderr, flush=True)
+        return False
+    return weights == torch.float32 or bf16_tiles()
 
 
 @contextlib.contextmanager

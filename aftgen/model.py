@@ -427,7 +427,7 @@ class CompiledStep:
 def compile_step(model: AFTLM, max_batch: int = 1, batch_invariant: bool = False) -> tuple[StepFunction, str]:
     """`model.step` compiled for every batch size from 1 to `max_batch` (CompiledStep), or `model.step`
     itself where no compiler works; and a note of what happened. `batch_invariant`: a row's logits are the
-    same bits whatever rows share its step (every product written out: several times slower at many rows).
+    same bits whatever rows share its step (its products through aftgen.rowdot on a CPU, written out on a GPU).
 
     The first compile of a model's architecture (tens of seconds) is kept in aftgen's cache folder; later
     ones, in this process or the next, load it in well under a second. Compile once, before generating,
@@ -444,10 +444,10 @@ def compile_step(model: AFTLM, max_batch: int = 1, batch_invariant: bool = False
 
 
 def _compiled_step(model: AFTLM, max_batch: int, batch_invariant: bool) -> tuple[CompiledStep, str]:
-    """The packages for 1 to `max_batch` rows, and " (from the cache)" where the cache had them all: one with
-    every product written out for 1 to MAX_ROWS (batch-invariant); else the matrix kernels' package, and with
-    weights stored lower than float32 (aftgen.layers) a second for a single row, its products written out
-    (faster than the bf16 kernels at one row)."""
+    """The packages for 1 to `max_batch` rows, and " (from the cache)" where the cache had them all: one for 1
+    to MAX_ROWS whose products sum each row in one order (batch-invariant: _products); else the matrix
+    kernels' package, and with weights stored lower than float32 (aftgen.layers) a second for a single row,
+    its products written out (faster than the bf16 kernels at one row)."""
     if batch_invariant:
         run, origin = _step_runner(model, MAX_ROWS, BATCH_INVARIANT)
         return CompiledStep(model, run, run, max_batch), origin

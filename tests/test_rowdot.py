@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 import torch
 
-from aftgen import rowdot
+from aftgen import layers, rowdot
 from aftgen.compiled_cache import compiled_folder
 
 WEIGHTS = {"float32": torch.float32, "bf16": torch.bfloat16}
@@ -71,7 +72,7 @@ def test_a_damaged_library_is_built_again_with_one_line_not_loaded(built, damage
     DAMAGES[damage](path)
     assert rowdot.library_path() == path and builds == [path]
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and "was damaged" in lines[0], lines
+    assert len(lines) == 1 and "the batch-invariant product's library in the cache was damaged" in lines[0], lines
     assert rowdot.library_path() == path and builds == [path]  # what was built again is recorded
 
 
@@ -93,3 +94,52 @@ def test_a_compiler_that_fails_is_one_clear_error(compiler, tmp_path, monkeypatc
         rowdot.library_path()
     assert "\n" not in str(error.value)
     assert not list(compiled_folder().glob("rowdot-*.so")) and not list(compiled_folder().glob("tmp*"))
+
+
+def test_a_compiler_that_hangs_is_stopped_with_all_it_started(tmp_path, monkeypatch):
+    child = tmp_path / "child"
+    compiler = tmp_path / "compiler"
+    compiler.write_text(f"#!/bin/sh\nsleep 600 &\necho $! > {child}\nwait\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("AFTGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(rowdot, "_compiler", lambda: str(compiler))
+    monkeypatch.setattr(rowdot, "BUILD_TIMEOUT", 1)
+    with pytest.raises(rowdot.RowdotUnavailable, match="took over 1 s"):
+        rowdot.library_path()
+    pid = int(child.read_text())
+    for _ in range(100):  # killed at once; reaped by init a moment later
+        if not os.path.exists(f"/proc/{pid}") or " Z " in open(f"/proc/{pid}/stat").read():
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the compiler's child outlived it")
+
+
+BAD_OPERANDS = {
+    "a float16 weight": (torch.randn(2, 8), torch.randn(4, 8).half(), "weight"),
+    "a float64 x": (torch.randn(2, 8).double(), torch.randn(4, 8), "float32"),
+    "other widths": (torch.randn(2, 8), torch.randn(4, 9), "8 wide"),
+    "a vector": (torch.randn(8), torch.randn(4, 8), "matrices"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_OPERANDS)
+def test_operands_the_kernel_cannot_read_are_refused_not_read(case):
+    x, weight, named = BAD_OPERANDS[case]
+    with pytest.raises(RuntimeError, match=named):
+        rowdot.rowdot(x, weight)
+
+
+@pytest.mark.parametrize("tiles", [True, False], ids=["AMX", "no AMX"])
+def test_batch_invariance_by_default_only_where_rowdot_serves_a_compiled_cpu_step(tiles, monkeypatch, capsys):
+    cpu, gpu, fp32, bf16 = torch.device("cpu"), torch.device("cuda"), torch.float32, torch.bfloat16
+    monkeypatch.setattr(layers, "unavailable", lambda: "")
+    monkeypatch.setattr(layers, "bf16_tiles", lambda: tiles)
+    assert layers.batch_invariant(None, cpu, True, fp32) and layers.batch_invariant(None, cpu, True, bf16) == tiles
+    assert not layers.batch_invariant(None, cpu, False, fp32) and not layers.batch_invariant(None, gpu, True, fp32)
+    assert layers.batch_invariant(True, gpu, False, bf16) and not layers.batch_invariant(False, cpu, True, fp32)
+    monkeypatch.setattr(layers, "unavailable", lambda: "cannot build the batch-invariant product: g++ said: no")
+    assert not layers.batch_invariant(None, cpu, True, fp32)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["warning: cannot build the batch-invariant product: g++ said: no: the step is not batch-invariant"]
+    assert layers.batch_invariant(True, cpu, True, fp32)  # asked for: it is, or compiling it says why not

@@ -33,7 +33,7 @@ from aftgen.bench.targets import TARGETS, Row
 from aftgen.device import Placement, resolve, synchronize
 from aftgen.errors import AftgenError
 from aftgen.files import read_text
-from aftgen.layers import batch_invariant_by_default
+from aftgen.layers import batch_invariant
 from aftgen.model import AFTLM
 from aftgen.sampling import SamplingOptions, choose, new_generator
 from aftgen.serve.batch import Batch, CompiledBatchStep
@@ -241,8 +241,7 @@ class Ceiling:
         self.placement: Placement = resolve(options.device, options.dtype, generating=True)
         self.model: AFTLM = load(options.model, self.placement.device)[0].eval().lower_weights(self.placement.weights)
         self.threads = threads
-        invariant = options.batch_invariant
-        invariant = batch_invariant_by_default(self.placement.device, True) if invariant is None else invariant
+        invariant = batch_invariant(options.batch_invariant, self.placement.device, True, self.placement.weights)
         # the server's step: --parallel 32
         self.step = CompiledBatchStep(self.model, max(STREAMS), self.placement, batch_invariant=invariant)
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from aftgen import layers
 from aftgen.cli.common import (
     ENCODING_HELP,
     ERRORS_HELP,
@@ -25,7 +26,7 @@ from aftgen.cli.common import (
 from aftgen.corpus import CorpusOptions
 from aftgen.errors import AftgenError
 from aftgen.files import read_text
-from aftgen.layers import BATCH_INVARIANT_HELP, batch_invariant_by_default
+from aftgen.layers import BATCH_INVARIANT_HELP
 from aftgen.options import flag
 from aftgen.sampling import CONTROLS, check_seed
 from aftgen.sampling import SamplingOptions as Defaults
@@ -142,7 +143,7 @@ def _load_for_generation(
     context = read_state(load_state, lm, tokenizer) if load_state else None
     step = lm.step
     if compile_step:
-        invariant = batch_invariant_by_default(where.device, True) if batch_invariant is None else batch_invariant
+        invariant = layers.batch_invariant(batch_invariant, where.device, True, where.weights)
         step, note = compiled(lm, batch_invariant=invariant)
         print(f"step: {note}", file=sys.stderr)
     return lm, tokenizer, context, step

@@ -22,7 +22,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import os
 import platform
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -31,13 +33,14 @@ import torch
 
 from aftgen.compiled_cache import cached_library, compiled_folder
 from aftgen.errors import AftgenError
-from aftgen.files import shown
+from aftgen.files import read_bytes, shown
 
 SOURCE = Path(__file__).with_name("rowdot.cpp")
 # How a step package calls it (AOTInductor's custom-op shims): the C declaration of rowdot.cpp's entry point.
 SHIM = "AOTITorchError aoti_torch_cpu_rowdot(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]  # no -march: the kernel is chosen as it runs
 BUILD_TIMEOUT = 300  # seconds: a compiler that hangs is not waited for
+SOURCE_LIMIT = 1 << 20  # rowdot.cpp, hashed for the library's key
 
 
 class RowdotUnavailable(AftgenError):
@@ -63,6 +66,20 @@ def library_path() -> Path:
     return cached_library(compiled_folder() / f"rowdot-{_key()}.so", _build)[0]
 
 
+def unavailable() -> str:
+    """Why the library cannot be built or loaded here ("" where it can): for defaults that need it."""
+    try:
+        library()
+    except (RowdotUnavailable, OSError) as exc:
+        return str(exc)
+    return ""
+
+
+def bf16_tiles() -> bool:
+    """Whether bf16 weights multiply in AMX tiles here (else widened to float32 as they are read)."""
+    return library().aftgen_rowdot_kernel(True, 16, 32) == b"amx"
+
+
 def kernel(weight: torch.Tensor) -> str:
     """The kernel a weight (N, K) goes through on this machine: "amx" or "vector"."""
     is_bf16 = weight.dtype == torch.bfloat16
@@ -76,7 +93,8 @@ def _compiler() -> str:
 def _key() -> str:
     """What the library depends on: its source, torch's headers (their version) and the compiler's flags."""
     facts = [torch.__version__, platform.machine(), _compiler(), *FLAGS]
-    return hashlib.sha256(SOURCE.read_bytes() + repr(facts).encode()).hexdigest()[:20]
+    source = read_bytes(SOURCE, SOURCE_LIMIT, "aftgen's own source")
+    return hashlib.sha256(source + repr(facts).encode()).hexdigest()[:20]
 
 
 def _build(path: Path) -> None:
@@ -84,24 +102,42 @@ def _build(path: Path) -> None:
     its output), then renamed over `path` (another process may be loading it)."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
-    with tempfile.TemporaryDirectory(dir=path.parent) as folder:
+    with tempfile.TemporaryDirectory(dir=path.parent, ignore_cleanup_errors=True) as folder:
         built = Path(folder) / path.name
         command = [_compiler(), *FLAGS, *(f"-I{include}" for include in include_paths()), str(SOURCE), "-o", str(built)]
         command += [f"-L{lib}" for lib in library_paths()] + ["-ltorch_cpu", "-lc10"]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise RowdotUnavailable(f"cannot build the batch-invariant product ({exc})") from None
-        if done.returncode:
-            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        returncode, errors = _run(command)
+        if returncode:
+            last = (errors.strip().splitlines() or ["no message"])[-1]
             raise RowdotUnavailable(f"cannot build the batch-invariant product: {_compiler()} said: {shown(last)}")
         built.replace(path)
 
 
-@torch.library.custom_op("aftgen::rowdot", mutates_args=())
+def _run(command: list[str]) -> tuple[int, str]:
+    """The compiler's exit status and its stderr; one that hangs is killed with all it started (cc1plus, as,
+    ld), which would go on writing into the folder being deleted."""
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)  # fmt: skip
+    except OSError as exc:
+        raise RowdotUnavailable(f"cannot build the batch-invariant product ({exc.strerror or exc})") from None
+    try:
+        _, errors = process.communicate(timeout=BUILD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise RowdotUnavailable(f"cannot build the batch-invariant product: {_compiler()} took over "
+                                f"{BUILD_TIMEOUT} s") from None  # fmt: skip
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode, errors
+
+
+@torch.library.custom_op("aftgen::rowdot", mutates_args=(), device_types="cpu")
 def rowdot(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (M, K) float32 @ weight (N, K)ᵀ in float32 or bf16 → (M, N) float32, each output summed in one
     order whatever M is."""
+    _check_operands(x, weight)
     x, weight = x.contiguous(), weight.contiguous()
     y = x.new_empty(x.shape[0], weight.shape[0])
     library().aftgen_rowdot(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.dtype == torch.bfloat16,
@@ -111,4 +147,13 @@ def rowdot(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @rowdot.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    _check_operands(x, weight)
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """What the C kernel reads: a float32 matrix x and a float32 or bf16 one of the same width."""
+    torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "rowdot multiplies matrices")
+    torch._check(x.dtype == torch.float32, lambda: f"rowdot takes x in float32, not {x.dtype}")
+    torch._check(weight.dtype in (torch.float32, torch.bfloat16), lambda: f"rowdot's weight: not {weight.dtype}")
+    torch._check(x.shape[1] == weight.shape[1], lambda: f"rowdot: x is {x.shape[1]} wide, the weight {weight.shape[1]}")

@@ -5,9 +5,10 @@ ring buffer (a row's token g sits in slot g mod s), and each row keeps its own `
 read, so sequences of any lengths step together, each at its own phase of its ring (aftgen.mixers.aft),
 and a row's state joins and leaves the batch as it is. The step itself is the library's.
 
-With `--batch-invariant`, a row's logits are what it would get alone, whatever the rows beside it: the
-compiled step is written so (aftgen.model, aftgen.layers), and the eager step, whose matrix kernels round
-differently with the number of rows, steps each row on its own (`rows_apart`).
+Batch-invariant (`--batch-invariant`, the default for a compiled step on a CPU), a row's logits are what it
+would get alone, whatever the rows beside it: the compiled step is made so (aftgen.model, aftgen.rowdot),
+and the eager step, whose matrix kernels round differently with the number of rows, steps each row on its
+own (`rows_apart`).
 
 The rows live in buffers allocated once for `capacity` sequences: joining copies one row in, leaving
 moves the last row into the gap. Nothing is reallocated as requests come and go, so memory holds

@@ -449,7 +449,7 @@ def build_engine(options: ServeOptions) -> Engine:
     from aftgen import cores
     from aftgen.api import load
     from aftgen.device import resolve
-    from aftgen.layers import batch_invariant_by_default
+    from aftgen.layers import batch_invariant
     from aftgen.mixers import fixed_size_state
     from aftgen.serve.batch import CompiledBatchStep
     from aftgen.serve.engine import Engine
@@ -463,10 +463,8 @@ def build_engine(options: ServeOptions) -> Engine:
             f"aftgen serve batches fixed-size states; a {model.config.mixer} model's state grows with its stream"
         )
     model.eval().lower_weights(where.weights)
-    if options.batch_invariant is None:
-        options = dataclasses.replace(
-            options, batch_invariant=batch_invariant_by_default(where.device, options.compile_step)
-        )
+    invariant = batch_invariant(options.batch_invariant, where.device, options.compile_step, where.weights)
+    options = dataclasses.replace(options, batch_invariant=invariant)
     step = None
     if options.compile_step:
         step = CompiledBatchStep(model, options.parallel, where, batch_invariant=options.batch_invariant)
