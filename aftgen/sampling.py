@@ -24,7 +24,13 @@ MAX_REPEAT_LAST_N = 1024  # a context keeps this many recent tokens for the repe
 # Below this temperature sampling is greedy: a lower one only splits logits closer than a thousandth, and
 # dividing by it overflows float32 long before it reaches Python's smallest floats.
 GREEDY_BELOW = 1e-4
-PROMPT_CHUNK = 1024  # tokens read per parallel pass: long texts go in chunks, in constant memory
+# A prompt is read in pieces of this many tokens from its own start (the last piece: what is left), whoever reads
+# it: `aftgen sample`, `chat`, `prime` and a server at its default --prompt-chunk. The parallel form does not round
+# alike however a text is cut (its products run with M = the piece's length, its chunked scan restarts at each
+# piece), so pieces fixed by the prompt alone give the same state and logits, bit for bit, alone, beside other
+# prompts being read, after a prefix cache's hit, and in `aftgen sample`. 256: a server's pause between two steps
+# while it reads (the pieces are its turns' reading), and long texts still go in constant memory.
+PROMPT_CHUNK = 256
 
 
 SEEDS = Range(0, (1 << 63) - 1)  # a seed torch.Generator.manual_seed takes as it is given
@@ -374,11 +380,10 @@ def new_generator(seed: int | None) -> torch.Generator:
 
 
 class PromptReader:
-    """Token ids read into a context in the parallel form, PROMPT_CHUNK at most per pass (constant memory).
-
-    A fresh context starts from the model's initial state with a generator seeded with `seed` (random
-    if None); a continued one keeps its own generator unless a seed is given. `read_prompt` reads a
-    whole prompt at once, the server a budget of tokens per turn between its batched steps. Run it
+    """Token ids read into a context in the parallel form, in pieces of `piece` ids from their start (PROMPT_CHUNK's
+    comment says why; constant memory). A fresh context starts from the model's initial state with a generator
+    seeded with `seed` (random if None); a continued one keeps its own generator unless a seed is given.
+    `read_prompt` reads a whole prompt at once, the server some pieces a turn between its batched steps. Run it
     under torch.inference_mode(), as generation runs.
     """
 
@@ -390,39 +395,53 @@ class PromptReader:
         seed: int | None = None,
         prefill: PrefillFunction | None = None,
         score: int | None = None,
+        piece: int | None = None,
+        mark: bool = False,
     ):
         """`score`: keep each id's score (token_scores, with this many alternatives) in `scores`, reading every
-        position's logits (slower: only where asked); a fresh context's first id, which nothing predicts, has none."""
+        position's logits (slower: only where asked); a fresh context's first id, which nothing predicts, has none.
+        `piece`: ids a piece (None: PROMPT_CHUNK). `mark`: keep a copy of the state where a last piece shorter than
+        `piece` starts, in `last_start` (a server caches it: a longer prompt continues from there in its own pieces)."""
         if context is None:
             context = Context(model.initial_state(1), torch.zeros(1, model.config.vocab_size), new_generator(seed))
         elif seed is not None:
             context.generator.manual_seed(seed)
         self.model, self.ids, self.context, self.prefill = model, ids, context, prefill
-        self.unread, self.score = len(ids), score
+        self.unread, self.score, self.piece, self.mark = len(ids), score, piece or PROMPT_CHUNK, mark
         self.scores: list[tuple[int, str]] = []  # (id, score record)
+        self.last_start: tuple[int, ModelState, torch.Tensor] | None = None  # (ids read, state, logits), with `mark`
 
     @property
     def done(self) -> bool:
         return self.unread == 0
 
     def skip(self, state: ModelState, logits: torch.Tensor, count: int) -> None:
-        """Go on from a state that has already read the first `count` ids (a prefix cache's), with its logits."""
+        """Go on from a state that has already read the first `count` ids (a prefix cache's), with its logits:
+        a piece's end or all of them, so that the rest is read in the pieces it would be read in from the start."""
         self.context.state, self.context.logits, self.unread = state, logits, len(self.ids) - count
 
     def read(self, budget: int | None = None) -> int:
-        """Read up to `budget` more ids (all of them if None); returns how many were read.
-        `prefill` (from compile_prefill) reads the whole chunks, `model.prefill` the rest."""
+        """Read whole pieces until `budget` ids are read or none are left (None: every one); returns how many were
+        read, past `budget` where a piece ends beyond it. `prefill` (from compile_prefill, for `piece` ids) reads
+        the whole pieces, `model.prefill` the last, shorter one."""
+        count = 0
+        while self.unread and (budget is None or count < budget):
+            count += self._read_piece()
+        return count
+
+    def _read_piece(self) -> int:
         start = len(self.ids) - self.unread
-        ids = torch.tensor([self.ids[start : None if budget is None else start + budget]], dtype=torch.long)
-        for offset in range(0, ids.shape[1], PROMPT_CHUNK):
-            chunk = ids[:, offset : offset + PROMPT_CHUNK]
-            read = self.prefill if self.prefill is not None and chunk.shape[1] == PROMPT_CHUNK else self.model.prefill
-            logits, self.context.state = read(chunk, self.context.state, last_only=self.score is None)
-            if self.score is not None:
-                self._keep_scores(chunk[0], logits[0])
-            self.context.logits = logits[:, -1].float()
-        self.unread -= ids.shape[1]
-        return ids.shape[1]
+        end = min(len(self.ids), (start // self.piece + 1) * self.piece)
+        if self.mark and end - start < self.piece and start > 0:
+            self.last_start = start, clone_state(self.context.state), self.context.logits.clone()
+        ids = torch.tensor([self.ids[start:end]], dtype=torch.long)
+        read = self.prefill if self.prefill is not None and ids.shape[1] == self.piece else self.model.prefill
+        logits, self.context.state = read(ids, self.context.state, last_only=self.score is None)
+        if self.score is not None:
+            self._keep_scores(ids[0], logits[0])
+        self.context.logits = logits[:, -1].float()
+        self.unread = len(self.ids) - end
+        return end - start
 
     def _keep_scores(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
         """The scores of `ids`, read now, whose logits (T, V) predict each one's next id."""

@@ -290,19 +290,22 @@ def test_seeded_request_gives_the_same_text_alone_and_among_eight_others(url, ti
         assert "".join(pieces).startswith(text)
 
 
-def test_second_chat_turn_reads_only_its_new_tokens(url, tiny_run):
-    api, tokenizer = client(url), load(tiny_run)[1]
+def test_second_chat_turn_reads_only_its_new_tokens_and_its_historys_last_piece(tiny_run):
+    """The cache holds the conversation where its last piece starts (a prompt is read in pieces from its start):
+    the second turn reads that piece and its new message, and gives what a server with no cache gives."""
+    api, tokenizer = client, load(tiny_run)[1]
     history = [{"role": "user", "content": "KING: speak, my lord"}]
-    first = api.chat.completions.create(messages=history, model=tiny_run.name, max_tokens=30, seed=2)
-    history += [
-        {"role": "assistant", "content": first.choices[0].message.content},
-        {"role": "user", "content": "QUEEN: and what then?"},
-    ]
-    second = api.chat.completions.create(messages=history, model=tiny_run.name, max_tokens=30, seed=5)
-    new_tokens = len(tokenizer.encode("QUEEN: and what then?\n"))
-    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - new_tokens
-    with running(tiny_run, in_process=True, cache_mb=0) as fresh_url:
-        fresh = client(fresh_url).chat.completions.create(messages=history, model=tiny_run.name, max_tokens=30, seed=5)
+    with running(tiny_run, in_process=True, prompt_chunk=16) as url:
+        first = api(url).chat.completions.create(messages=history, model=tiny_run.name, max_tokens=30, seed=2)
+        history += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "QUEEN: and what then?"},
+        ]
+        second = api(url).chat.completions.create(messages=history, model=tiny_run.name, max_tokens=30, seed=5)
+    read_before = second.usage.prompt_tokens - len(tokenizer.encode("QUEEN: and what then?\n"))
+    assert second.usage.prompt_tokens_details.cached_tokens == read_before // 16 * 16 > 0
+    with running(tiny_run, in_process=True, prompt_chunk=16, cache_mb=0) as fresh_url:
+        fresh = api(fresh_url).chat.completions.create(messages=history, model=tiny_run.name, max_tokens=30, seed=5)
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert fresh.usage.prompt_tokens == second.usage.prompt_tokens
     assert fresh.choices[0].message.content == second.choices[0].message.content

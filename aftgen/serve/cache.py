@@ -1,8 +1,11 @@
 """States kept by the token prefix they read, so a prompt that extends one reads only its new tokens.
 
 A recurrent state cannot be cut back to an earlier token (llama.cpp #22940), so the cache keeps the
-state at whole prompts' ends: a chat that sends its history again finds the state after that
-history, and reads only the new turn. Bounded in megabytes, least recently used out first.
+state at whole prompts' ends and where their last pieces start (a prompt is read in pieces fixed from its
+start: sampling.PROMPT_CHUNK says why). A hit must leave the rest of the prompt to be read in those same
+pieces, so it is a state at a piece's end or after the whole prompt: a chat that sends its history again
+finds the state where that history's last piece starts, and reads that piece and its new turn. Bounded in
+megabytes, least recently used out first.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ def _key(ids: list[int]) -> bytes:
 
 
 class PrefixCache:
-    def __init__(self, megabytes: float):
-        self.capacity = int(megabytes * 1e6)
+    def __init__(self, megabytes: float, piece: int):
+        """`piece`: the ids a piece of prompt is read in (the server's --prompt-chunk)."""
+        self.capacity, self.piece = int(megabytes * 1e6), piece
         self.entries: OrderedDict[bytes, tuple[ModelState, torch.Tensor, int]] = OrderedDict()
         self.size = 0
 
@@ -44,9 +48,13 @@ class PrefixCache:
         return len(self.entries)
 
     def lookup(self, ids: list[int]) -> Hit | None:
-        """The state after the longest cached prefix of `ids`, or None."""
+        """The state after the longest cached prefix of `ids` that ends a piece of it or is all of it, or None."""
         wanted = _key(ids)
-        best = max((key for key in self.entries if wanted.startswith(key)), key=len, default=None)
+
+        def usable(key: bytes) -> bool:
+            return wanted.startswith(key) and (key == wanted or len(key) // 4 % self.piece == 0)
+
+        best = max(filter(usable, self.entries), key=len, default=None)
         if best is None:
             return None
         self.entries.move_to_end(best)

@@ -1,7 +1,7 @@
 """Continuous batching: every generating sequence advances by one batched recurrent step per token.
 
 The engine runs in one thread of its own. Each turn of its loop it takes new requests in (as rows
-free up), reads up to `prompt_chunk` prompt tokens in the parallel form (so a long prompt is read
+free up), reads about `prompt_chunk` prompt tokens in the parallel form (so a long prompt is read
 in pieces between steps instead of stalling everyone), then steps the whole batch once and hands
 each sequence its token. A finished, cancelled (client gone) or timed-out sequence leaves the batch
 in the same turn, and its row is free for the next request.
@@ -90,7 +90,7 @@ class Engine:
         step = step or eager_step(model, options.batch_invariant)
         self.batch = Batch(model, options.parallel, step)  # its rows are the Rows generating, in step order
         self.state_bytes = state_bytes(model.initial_state(1))
-        self.cache = PrefixCache(options.cache_mb) if options.cache_mb > 0 else None
+        self.cache = PrefixCache(options.cache_mb, options.prompt_chunk) if options.cache_mb > 0 else None
         self.sessions = SessionStore(
             model, tokenizer, options.sessions_dir, options.max_sessions, options.max_session_files
         )
@@ -98,6 +98,7 @@ class Engine:
         self.incoming: deque[Ticket] = deque()
         self.waiting: deque[Ticket] = deque()
         self.reading: deque[Reader] = deque()
+        self.overdrawn = 0  # prompt tokens the last turn read past its budget, which this one reads less
         self.lock, self.wake = threading.Lock(), threading.Event()
         self.queued = 0  # submitted, not yet reading: what the queue limit counts
         self.outbox: list[tuple[Ticket, Event]] = []
@@ -255,9 +256,7 @@ class Engine:
         work = ticket.work
         if work.session is None:
             score = work.logprobs if work.echo else None  # the echo's scores need every position's logits
-            prompt = PromptReader(
-                self.model, opening(self.tokenizer, work.prompt, None), None, work.options.seed, score=score
-            )
+            prompt = self._prompt_reader(opening(self.tokenizer, work.prompt, None), None, work.options.seed, score)
             return Reader(ticket, prompt, cached=0 if score is not None else self._from_cache(prompt))
         if work.session in self.busy_sessions:
             message = f"session '{work.session}' is busy with another request; send the next one when it has finished"
@@ -268,10 +267,21 @@ class Engine:
             return Failed(400, f"session '{work.session}' cannot be continued: {exc}", "invalid_request_error")
         self.busy_sessions.add(work.session)
         ids = opening(self.tokenizer, work.prompt, context)
-        return Reader(ticket, PromptReader(self.model, ids, context, work.options.seed))
+        return Reader(ticket, self._prompt_reader(ids, context, work.options.seed))
+
+    def _prompt_reader(
+        self, ids: list[int], context: Context | None = None, seed: int | None = None, score: int | None = None
+    ) -> PromptReader:
+        """A reader of `ids` into `context` (None: a fresh one) in --prompt-chunk pieces. One the cache may keep (a
+        fresh prompt's, read without scores: those read every position's logits, which round otherwise) marks
+        where its last piece starts."""
+        marks = self.cache is not None and context is None and score is None
+        piece = self.options.prompt_chunk
+        return PromptReader(self.model, ids, context, seed, score=score, piece=piece, mark=marks)
 
     def _from_cache(self, prompt: PromptReader) -> int:
-        """Start `prompt` after the longest prefix of it the cache holds; returns that prefix's length."""
+        """Start `prompt` after the longest prefix of it the cache holds that ends one of its pieces, or after
+        all of it; returns that prefix's length."""
         hit = self.cache.lookup(prompt.ids) if self.cache else None
         if hit is None:
             return 0
@@ -279,8 +289,14 @@ class Engine:
         return hit.tokens
 
     def _read(self) -> None:
-        """Read up to prompt_chunk prompt tokens, from the longest-waiting readers first."""
-        budget = self.options.prompt_chunk
+        """Read prompt_chunk prompt tokens, from the longest-waiting readers first, in whole pieces.
+
+        A prompt is read in the pieces it is read in alone (sampling.PROMPT_CHUNK says why), so the last piece of
+        a turn may end past its budget (by less than a piece, when one prompt's last, shorter piece left less
+        than the next one's): the next turn reads that much less. One reader alone is read a piece a turn, and
+        prompts are read prompt_chunk tokens a turn on average, and no turn reads twice that.
+        """
+        budget = self.options.prompt_chunk - self.overdrawn
         while self.reading and budget > 0:
             reader = self.reading[0]
             try:
@@ -293,6 +309,7 @@ class Engine:
             if reader.prompt.done:
                 self.reading.popleft()
                 self._begin(reader)
+        self.overdrawn = max(0, -budget)
 
     def _begin(self, reader: Reader) -> None:
         """The prompt is read: keep it in the cache, then start each choice generating."""
@@ -301,8 +318,7 @@ class Engine:
         context = reader.prompt.finish()
         contexts = [context]
         if work.session is None:
-            if self.cache is not None and reader.cached < len(ids):
-                self.cache.put(ids, context.state, context.logits)
+            self._keep(reader.prompt, reader.cached)
             seed = work.options.seed  # choice i draws from seed + i
             contexts += [context.fork(new_generator(None if seed is None else seed + i)) for i in range(1, work.n)]
         ticket.unfinished = len(contexts)
@@ -444,12 +460,24 @@ class Engine:
         """Cache the conversation as the client will send it next: the prompt, then the reply read as text.
 
         The reply's own tokens need not be how the tokenizer spells its text, and a client sends text;
-        reading it now (a short parallel pass) means the next turn reads only its new message.
+        reading it now (a short parallel pass) means the next turn reads only its new message and this
+        conversation's last piece (the cache's docstring says why).
         """
         reply = "".join(row.parts) + row.ticket.work.reply_suffix
-        prompt = PromptReader(self.model, row.prompt + self.tokenizer.encode(reply))
-        self._from_cache(prompt)
-        if prompt.read():
+        prompt = self._prompt_reader(row.prompt + self.tokenizer.encode(reply))
+        cached = self._from_cache(prompt)
+        prompt.read()
+        self._keep(prompt, cached)
+
+    def _keep(self, prompt: PromptReader, cached: int) -> None:
+        """Cache a fresh prompt read past what the cache held: the state after it, and where its last piece starts
+        (a longer prompt starting with it can go on from there alone: the cache's docstring says why)."""
+        if self.cache is None or not prompt.mark:
+            return
+        if prompt.last_start is not None and prompt.last_start[0] > cached:
+            start, state, logits = prompt.last_start
+            self.cache.put(prompt.ids[:start], state, logits)
+        if cached < len(prompt.ids):
             self.cache.put(prompt.ids, prompt.context.state, prompt.context.logits)
 
 

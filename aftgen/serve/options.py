@@ -13,6 +13,7 @@ from aftgen.errors import AftgenError
 from aftgen.hub import MODEL_HELP
 from aftgen.layers import BATCH_INVARIANT_HELP
 from aftgen.options import HARDWARE_PANEL, POSITIVE, Range, check_ranges, option
+from aftgen.sampling import PROMPT_CHUNK
 
 API_KEY = re.compile(r"[!-~]+")  # printable ASCII, no spaces: what an HTTP header carries as it was typed
 
@@ -75,7 +76,12 @@ class ServeOptions:
     max_session_files: int = _limit(
         256, "Session files kept in --sessions-dir; past that the least recently used is removed.", Range(1, 1 << 30)
     )
-    prompt_chunk: int = _limit(256, "Prompt tokens read between two batched steps.", Range(1, 1 << 20))
+    prompt_chunk: int = _limit(
+        PROMPT_CHUNK,
+        "Prompt tokens read between two batched steps, in pieces of this many from each prompt's start (at the "
+        "default, those `aftgen sample` reads: the same numbers).",
+        Range(1, 1 << 20),
+    )
     compile_step: bool = _hardware(
         True,
         "Compile the batched step at start (tens of seconds the first time, about one once cached).",
