@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aftgen.rowdot import bf16_tiles, rowdot, unavailable
+from aftgen.compiled_cache import CacheUnusable
+from aftgen.rowdot import RowdotUnavailable, bf16_tiles, library, rowdot
 
 _WRITTEN = contextvars.ContextVar("written_products", default=False)
 _INVARIANT = contextvars.ContextVar("invariant_products", default=False)
@@ -47,9 +48,12 @@ def batch_invariant(asked: bool | None, device: torch.device, compiled: bool, we
     (widened as they are read), and where rowdot cannot be built (one line says why)."""
     if asked is not None or not compiled or device.type != "cpu":
         return bool(asked)
-    reason = unavailable()
-    if reason:
-        print(f"warning: {reason}: the step is not batch-invariant", file=sys.stderr, flush=True)
+    try:
+        library()  # built and loaded now: where it cannot be, the step is the matrix kernels', not rows apart
+    except CacheUnusable:  # the compile, which needs the cache too, will say why
+        return False
+    except (RowdotUnavailable, OSError) as exc:
+        print(f"warning: {exc}: the step is not batch-invariant", file=sys.stderr, flush=True)
         return False
     return weights == torch.float32 or bf16_tiles()
 

@@ -130,15 +130,19 @@ def test_operands_the_kernel_cannot_read_are_refused_not_read(case):
         rowdot.rowdot(x, weight)
 
 
+def refused():
+    raise rowdot.RowdotUnavailable("cannot build the batch-invariant product: g++ said: no")
+
+
 @pytest.mark.parametrize("tiles", [True, False], ids=["AMX", "no AMX"])
 def test_batch_invariance_by_default_only_where_rowdot_serves_a_compiled_cpu_step(tiles, monkeypatch, capsys):
     cpu, gpu, fp32, bf16 = torch.device("cpu"), torch.device("cuda"), torch.float32, torch.bfloat16
-    monkeypatch.setattr(layers, "unavailable", lambda: "")
+    monkeypatch.setattr(layers, "library", lambda: None)
     monkeypatch.setattr(layers, "bf16_tiles", lambda: tiles)
     assert layers.batch_invariant(None, cpu, True, fp32) and layers.batch_invariant(None, cpu, True, bf16) == tiles
     assert not layers.batch_invariant(None, cpu, False, fp32) and not layers.batch_invariant(None, gpu, True, fp32)
     assert layers.batch_invariant(True, gpu, False, bf16) and not layers.batch_invariant(False, cpu, True, fp32)
-    monkeypatch.setattr(layers, "unavailable", lambda: "cannot build the batch-invariant product: g++ said: no")
+    monkeypatch.setattr(layers, "library", refused)
     assert not layers.batch_invariant(None, cpu, True, fp32)
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["warning: cannot build the batch-invariant product: g++ said: no: the step is not batch-invariant"]

@@ -66,15 +66,6 @@ def library_path() -> Path:
     return cached_library(compiled_folder() / f"rowdot-{_key()}.so", _build)[0]
 
 
-def unavailable() -> str:
-    """Why the library cannot be built or loaded here ("" where it can): for defaults that need it."""
-    try:
-        library()
-    except (RowdotUnavailable, OSError) as exc:
-        return str(exc)
-    return ""
-
-
 def bf16_tiles() -> bool:
     """Whether bf16 weights multiply in AMX tiles here (else widened to float32 as they are read)."""
     return library().aftgen_rowdot_kernel(True, 16, 32) == b"amx"
