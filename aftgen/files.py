@@ -103,6 +103,15 @@ def read_bytes(path: Path | str, limit: int, what: str, follow: bool = True) -> 
     return data
 
 
+SOURCE_LIMIT = 1 << 20  # one of aftgen's own source files
+KERNEL_FILE_LIMIT = 1 << 16  # a /proc or /sys file aftgen reads (they report no size: read up to this)
+
+
+def own_source(path: Path | str) -> bytes:
+    """One of aftgen's own source files, as what a compiled step or library is keyed by is hashed from it."""
+    return read_bytes(path, SOURCE_LIMIT, "aftgen's own source")
+
+
 def read_text(path: Path | str, limit: int, what: str, encoding: str = "utf-8", follow: bool = True) -> str:
     """A regular file of at most `limit` bytes, decoded."""
     data = read_bytes(path, limit, what, follow)

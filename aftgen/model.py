@@ -17,7 +17,7 @@ import os
 import time
 import typing
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from aftgen.aoti import PackageRunner, UnlockedRunner
 from aftgen.compiled_cache import CacheUnusable, cached_package, compiled_folder
 from aftgen.device import Compiled, failure_line
 from aftgen.errors import AftgenError
-from aftgen.files import atomic_open
+from aftgen.files import atomic_open, own_source
 from aftgen.layers import Linear, invariant_products, linear, written_products
 from aftgen.mixers import MIXERS, MixerState, make_mixer
 
@@ -518,8 +518,9 @@ def _products(model: AFTLM, kind: str) -> str:
 
 def _package_configs(model: AFTLM, max_batch: int, kind: str) -> dict:
     """The compiler's settings for a package of 1 to `max_batch` rows (a new dict: the compiler adds to it)."""
-    threads = STEP_THREADS["one thread" if max_batch == 1 or _products(model, kind) == ROWDOT else "rows"]
-    return STEP_PACKAGE_CONFIG | threads | (WRITTEN_CONFIG if _products(model, kind) == WRITTEN else {})
+    products = _products(model, kind)
+    threads = STEP_THREADS["one thread" if max_batch == 1 or products == ROWDOT else "rows"]
+    return STEP_PACKAGE_CONFIG | threads | (WRITTEN_CONFIG if products == WRITTEN else {})
 
 
 def _shims(model: AFTLM, kind: str) -> dict:
@@ -529,17 +530,9 @@ def _shims(model: AFTLM, kind: str) -> dict:
     return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.aftgen.rowdot.default: [rowdot.SHIM]}}
 
 
-@contextlib.contextmanager
-def _numerics(products: str) -> Iterator[None]:
+def _numerics(products: str) -> contextlib.AbstractContextManager:
     """Tracing a package whose products are `products` (_products)."""
-    if products == WRITTEN:
-        with written_products():
-            yield
-    elif products == ROWDOT:
-        with invariant_products():
-            yield
-    else:
-        yield
+    return {WRITTEN: written_products, ROWDOT: invariant_products}.get(products, contextlib.nullcontext)()
 
 
 def _step_key(model: AFTLM, max_batch: int, kind: str) -> str:
@@ -555,7 +548,7 @@ def _step_key(model: AFTLM, max_batch: int, kind: str) -> str:
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
     here = Path(__file__).parent
     for source in sorted([Path(__file__), here / "layers.py", *here.glob("mixers/*.py")]):  # the code the step runs
-        digest.update(source.read_bytes())
+        digest.update(own_source(source))
     return digest.hexdigest()[:20]
 
 

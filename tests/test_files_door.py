@@ -258,11 +258,7 @@ def test_a_session_file_that_is_no_file_gets_400_and_the_server_goes_on(tmp_path
 # The scan: a plain open or read/write of a path outside aftgen/files.py is a defect, save these, each with why.
 PATH_CALLS = {"read_bytes", "read_text", "write_text", "write_bytes"}
 ALLOWED = {
-    ("aftgen/device.py", "physical_cores"): "/sys topology files: the kernel's, small",
-    ("aftgen/bench/measure.py", "memory_mb"): "/proc status files: the kernel's, small",
-    ("aftgen/bench/measure.py", "_tree"): "/proc children lists: the kernel's, small",
     ("aftgen/serve/app.py", "playground"): "a page shipped in the package (importlib.resources)",
-    ("aftgen/model.py", "_step_key"): "the package's own source files, hashed",
     ("aftgen/cli/common.py", "quiet_stdout"): "os.devnull, once a reader of stdout went away",
     ("aftgen/bench/side_by_side.py", "__init__"): "the child's log, in the bench's own temporary folder",
 }

@@ -33,14 +33,13 @@ import torch
 
 from aftgen.compiled_cache import cached_library, compiled_folder
 from aftgen.errors import AftgenError
-from aftgen.files import read_bytes, shown
+from aftgen.files import own_source, shown
 
 SOURCE = Path(__file__).with_name("rowdot.cpp")
 # How a step package calls it (AOTInductor's custom-op shims): the C declaration of rowdot.cpp's entry point.
 SHIM = "AOTITorchError aoti_torch_cpu_rowdot(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]  # no -march: the kernel is chosen as it runs
 BUILD_TIMEOUT = 300  # seconds: a compiler that hangs is not waited for
-SOURCE_LIMIT = 1 << 20  # rowdot.cpp, hashed for the library's key
 
 
 class RowdotUnavailable(AftgenError):
@@ -84,8 +83,7 @@ def _compiler() -> str:
 def _key() -> str:
     """What the library depends on: its source, torch's headers (their version) and the compiler's flags."""
     facts = [torch.__version__, platform.machine(), _compiler(), *FLAGS]
-    source = read_bytes(SOURCE, SOURCE_LIMIT, "aftgen's own source")
-    return hashlib.sha256(source + repr(facts).encode()).hexdigest()[:20]
+    return hashlib.sha256(own_source(SOURCE) + repr(facts).encode()).hexdigest()[:20]
 
 
 def _build(path: Path) -> None:
