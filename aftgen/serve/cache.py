@@ -37,6 +37,11 @@ def _key(ids: list[int]) -> bytes:
     return array("i", ids).tobytes()
 
 
+def _tokens(key: bytes) -> int:
+    """How many ids a key holds."""
+    return len(key) // array("i").itemsize
+
+
 class PrefixCache:
     def __init__(self, megabytes: float, piece: int):
         """`piece`: the ids a piece of prompt is read in (the server's --prompt-chunk)."""
@@ -52,14 +57,14 @@ class PrefixCache:
         wanted = _key(ids)
 
         def usable(key: bytes) -> bool:
-            return wanted.startswith(key) and (key == wanted or len(key) // 4 % self.piece == 0)
+            return wanted.startswith(key) and (key == wanted or _tokens(key) % self.piece == 0)
 
         best = max(filter(usable, self.entries), key=len, default=None)
         if best is None:
             return None
         self.entries.move_to_end(best)
         state, logits, _ = self.entries[best]
-        return Hit(clone_state(state), logits.clone(), len(best) // 4)
+        return Hit(clone_state(state), logits.clone(), _tokens(best))
 
     def put(self, ids: list[int], state: ModelState, logits: torch.Tensor) -> None:
         """Keep a copy of the state after `ids`, dropping the least recently used entries to fit."""
