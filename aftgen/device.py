@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from aftgen.errors import AftgenError
+from aftgen.files import KERNEL_FILE_LIMIT, read_text
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -133,7 +134,7 @@ def physical_cores() -> int:
     cores = set()
     for cpu in os.sched_getaffinity(0):
         siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-        cores.add(siblings.read_text().strip() if siblings.exists() else str(cpu))
+        cores.add(read_text(siblings, KERNEL_FILE_LIMIT, "a CPU's topology").strip() if siblings.exists() else str(cpu))
     return max(1, len(cores))
 
 

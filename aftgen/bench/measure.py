@@ -15,6 +15,8 @@ from typing import TypeVar
 import torch
 
 from aftgen.device import synchronize
+from aftgen.errors import AftgenError
+from aftgen.files import KERNEL_FILE_LIMIT, read_text
 from aftgen.layers import linear
 from aftgen.model import AFTLM, PrefillFunction, StepFunction, clone_state, tokens_read
 
@@ -31,8 +33,8 @@ def memory_mb(pid: int | str | torch.device = "self") -> tuple[float, float]:
         pid = "self"
     fields = {}
     status = Path(f"/proc/{pid}/status")
-    with contextlib.suppress(OSError):
-        for line in status.read_text().splitlines():
+    with contextlib.suppress(AftgenError):
+        for line in read_text(status, KERNEL_FILE_LIMIT, "a process's status").splitlines():
             name, _, value = line.partition(":")
             if name in ("VmRSS", "VmHWM"):
                 fields[name] = int(value.split()[0]) / 1024
@@ -49,8 +51,8 @@ def tree_memory_mb(pid: int) -> tuple[float, float]:
 
 def _tree(pid: int) -> list[int]:
     try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
+        children = read_text(f"/proc/{pid}/task/{pid}/children", KERNEL_FILE_LIMIT, "a process's children").split()
+    except AftgenError:  # gone meanwhile
         children = []
     return [pid] + [member for child in children for member in _tree(int(child))]
 
