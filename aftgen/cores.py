@@ -223,6 +223,14 @@ class ThreadShare:
         if now - self.looked >= LOOK_EVERY:
             self.look()
 
+    def idle_for(self) -> float | None:
+        """Seconds a process without work may sleep before adapt() has something to do (give its share back,
+        IDLE_AFTER after its work ended); None once it has (its next work takes a share at once)."""
+        if not self.busy:
+            return None
+        since = self.clock() if self.idle_since is None else self.idle_since
+        return max(0.0, since + IDLE_AFTER - self.clock())
+
     def mark(self, busy: bool) -> None:
         """Tell the others whether this process computes now; one that starts work takes its share at once."""
         self.busy = busy
@@ -278,6 +286,12 @@ def adapt(busy: bool | None = None) -> None:
     """Follow the other processes' comings and goings (ThreadShare.adapt); a no-op before claim()."""
     if _share is not None:
         _share.adapt(busy)
+
+
+def idle_for() -> float | None:
+    """Seconds a loop without work may sleep before it calls adapt() (ThreadShare.idle_for); None: until it
+    has work again."""
+    return _share.idle_for() if _share is not None else None
 
 
 @atexit.register

@@ -8,6 +8,8 @@ as the audit's (about 8,000 tokens); one `aftgen serve` run as a command, for th
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
+import email.utils
 import json
 import os
 import re
@@ -180,6 +182,17 @@ def test_an_idle_server_uses_no_cpu_after_clients_left(supervised, long_prompt):
     used = cpu_seconds(processes) - before
     print(f"{used:.2f} s of CPU in 5 s idle")
     assert used < 0.05
+
+
+def test_a_server_that_sleeps_while_idle_still_dates_its_replies(supervised):
+    """The loop's housekeeping runs once a second while idle (QuietServer): each reply's Date is this second's."""
+    url, _ = supervised
+    dates = []
+    for _ in range(2):
+        dates.append(email.utils.parsedate_to_datetime(health(url).headers["date"]))
+        time.sleep(2.2)
+    assert dates[1] - dates[0] >= datetime.timedelta(seconds=2)
+    assert abs(datetime.datetime.now(datetime.timezone.utc) - dates[1]) < datetime.timedelta(seconds=5)
 
 
 def test_an_engine_that_keeps_dying_makes_the_server_exit_for_its_supervisor(tiny_run):

@@ -68,7 +68,7 @@ def prepare(
     import uvicorn
 
     from aftgen.serve.app import Server
-    from aftgen.serve.protocol import with_read_timeout
+    from aftgen.serve.protocol import QuietServer, with_read_timeout
     from aftgen.serve.remote import EngineProcess
 
     engine = start_engine(options) if engine is None else engine
@@ -81,7 +81,7 @@ def prepare(
     config = uvicorn.Config(
         app, http=http, log_level="warning", timeout_keep_alive=timeout, timeout_graceful_shutdown=5
     )
-    server = uvicorn.Server(config)
+    server = QuietServer(config)
     if isinstance(engine, EngineProcess):
         engine.on_give_up = lambda: setattr(server, "should_exit", True)  # uvicorn's own way to shut down
     return server, sock, url
