@@ -89,7 +89,7 @@ def running(model_dir, in_process: bool = False, **changes) -> Iterator[str]:
 def serving(options: ServeOptions, engine: Engine | EngineProcess | None) -> Iterator[str]:
     """prepare(options, engine)'s server, run in a thread until the block ends; yields its base URL."""
     server, sock, url = prepare(options, engine)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="aftgen-http", daemon=True)
     thread.start()
     for _ in range(200):
         if server.started:
