@@ -87,14 +87,14 @@ def report(rows: list[dict], picture: Path) -> None:
               f"{row['chars_per_token']:.2f} | {row['logits_share']:.0%} | {row['steps']:,} | "
               f"{tokens * row['chars_per_token'] / 1e6:.1f}M | {row['nats_per_char']:.4f} |")  # fmt: skip
         lines.setdefault((row["corpus"], row["budget_s"], row["preset"], row["context"]), []).append(row)
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+    figure, axes = plt.subplots(figsize=(9, 4.5))
     for (corpus, budget, preset, context), points in lines.items():
         label = f"{corpus}, {budget} s, {preset}, context {context}"
         axes.plot([p["vocab"] for p in points], [p["nats_per_char"] for p in points], marker="o", label=label)
     axes.set(xscale="log", xlabel="vocabulary (pieces)", ylabel="held-out nats/char")
     axes.set_xticks([512, 1024, 2048, 4096], ["512", "1,024", "2,048", "4,096"])
     axes.minorticks_off()
-    axes.legend(fontsize=7)
+    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     figure.tight_layout()
     figure.savefig(picture, dpi=100)
 
