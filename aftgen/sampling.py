@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aftgen import cores
+from aftgen import cores, rowdot
 from aftgen.constraints import Constraint, Matcher, masked
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, ModelState, PrefillFunction, StepFunction, clone_state
@@ -222,12 +222,23 @@ def token_scores(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[t
     """Each token's (id, score record) under its row of logits (T, V): its log-probability (token_logprobs'
     figure) and the `top` likeliest tokens', likeliest first, packed for the trip to the replies (read_score)."""
     logprobs = logits.float().log_softmax(-1)
-    best = logprobs.topk(min(top, logprobs.shape[-1]), -1)
-    figures = torch.cat([chosen(logprobs, tokens)[:, None], best.values], 1)  # (T, 1 + top) float32
-    packed = torch.cat([figures.view(torch.int32), best.indices.int()], 1).cpu().numpy().astype("<i4", copy=False)
-    text = packed.tobytes().hex()  # one call for the step, cut into rows: a call a row costs the engine twice that
+    count = min(top, logprobs.shape[-1])
+    packed = rowdot.top_scores(logprobs, tokens, count) if logprobs.device.type == "cpu" else None
+    if packed is None:  # a GPU's logits, or no C++ compiler here
+        packed = top_scores_in_torch(logprobs, tokens, count)
+    # one call for the step, cut into rows: a call a row costs the engine twice that
+    text = packed.numpy().astype("<i4", copy=False).tobytes().hex()
     width = 8 * packed.shape[1]
     return list(zip(tokens.tolist(), [text[at : at + width] for at in range(0, len(text), width)], strict=True))
+
+
+def top_scores_in_torch(logprobs: torch.Tensor, tokens: torch.Tensor, count: int) -> torch.Tensor:
+    """rowdot.top_scores's packing (T, 1 + 2 count) int32 on the CPU, from logprobs (T, V) on any device; among
+    equal figures, in torch.topk's order (a stable sort, which would keep top_scores's, costs a CPU 30 times as
+    much)."""
+    best = logprobs.topk(count, -1)
+    figures = torch.cat([chosen(logprobs, tokens)[:, None], best.values], 1)  # (T, 1 + count) float32
+    return torch.cat([figures.view(torch.int32), best.indices.int()], 1).cpu()
 
 
 # A score record is the hex of little-endian float32 [the token's log-probability, the alternatives'] and int32

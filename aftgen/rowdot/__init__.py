@@ -11,6 +11,7 @@ row m of x and row n of w alone, in an order fixed by the machine and w's shape:
   machine's width (AVX-512, AVX2 or 128-bit): about MKL's float32 speed at 32 rows.
 
 Its products run on one thread, as the batch-invariant step's other kernels do (aftgen.model.STEP_THREADS).
+The library also holds the serving step's scores for `logprobs` (top_scores.cpp, through top_scores here).
 
 It is built with the C++ compiler that compiles the step (Inductor's) into aftgen's cache on first use, a
 second or two, and loaded with its symbols global: a step package calls `aoti_torch_cpu_rowdot` through
@@ -35,7 +36,7 @@ from aftgen.compiled_cache import cached_library, compiled_folder
 from aftgen.errors import AftgenError
 from aftgen.files import own_source, shown
 
-SOURCE = Path(__file__).with_name("rowdot.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowdot.cpp", "top_scores.cpp"))
 # How a step package calls it (AOTInductor's custom-op shims): the C declaration of rowdot.cpp's entry point.
 SHIM = "AOTITorchError aoti_torch_cpu_rowdot(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]  # no -march: the kernel is chosen as it runs
@@ -56,6 +57,9 @@ def library() -> ctypes.CDLL:
                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
     loaded.aftgen_rowdot_kernel.restype = ctypes.c_char_p
     loaded.aftgen_rowdot_kernel.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    loaded.aftgen_top_scores.restype = ctypes.c_int
+    loaded.aftgen_top_scores.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                         ctypes.c_void_p]  # fmt: skip
     return loaded
 
 
@@ -81,19 +85,20 @@ def _compiler() -> str:
 
 
 def _key() -> str:
-    """What the library depends on: its source, torch's headers (their version) and the compiler's flags."""
+    """What the library depends on: its sources, torch's headers (their version) and the compiler's flags."""
     facts = [torch.__version__, platform.machine(), _compiler(), *FLAGS]
-    return hashlib.sha256(own_source(SOURCE) + repr(facts).encode()).hexdigest()[:20]
+    return hashlib.sha256(b"".join(map(own_source, SOURCES)) + repr(facts).encode()).hexdigest()[:20]
 
 
 def _build(path: Path) -> None:
-    """Compile rowdot.cpp into `path`: in a folder of its own (the linker would write through a link planted at
+    """Compile the sources into `path`: in a folder of its own (the linker would write through a link planted at
     its output), then renamed over `path` (another process may be loading it)."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     with tempfile.TemporaryDirectory(dir=path.parent, ignore_cleanup_errors=True) as folder:
         built = Path(folder) / path.name
-        command = [_compiler(), *FLAGS, *(f"-I{include}" for include in include_paths()), str(SOURCE), "-o", str(built)]
+        command = [_compiler(), *FLAGS, *(f"-I{include}" for include in include_paths()), *map(str, SOURCES)]
+        command += ["-o", str(built)]
         command += [f"-L{lib}" for lib in library_paths()] + ["-ltorch_cpu", "-lc10"]
         returncode, errors = _run(command)
         if returncode:
@@ -146,3 +151,29 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
     torch._check(x.dtype == torch.float32, lambda: f"rowdot takes x in float32, not {x.dtype}")
     torch._check(weight.dtype in (torch.float32, torch.bfloat16), lambda: f"rowdot's weight: not {weight.dtype}")
     torch._check(x.shape[1] == weight.shape[1], lambda: f"rowdot: x is {x.shape[1]} wide, the weight {weight.shape[1]}")
+
+
+@functools.cache
+def scores_library() -> ctypes.CDLL | None:
+    """The library for top_scores, or None where it cannot be built here (asked once: a step must not wait on a
+    compiler that failed)."""
+    try:
+        return library()
+    except (RowdotUnavailable, OSError):
+        return None
+
+
+def top_scores(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Each row of `logprobs` (T, V) on a CPU: the log-probability of its token in `tokens` (T,) and the `k`
+    largest, high to low (the lower id first among equals), packed as int32 (T, 1 + 2k): [the token's figure, the
+    k figures (float32 bits), their ids]. None where the library cannot be built here."""
+    loaded = scores_library()
+    if loaded is None:
+        return None
+    logprobs, tokens = logprobs.float().contiguous(), tokens.long().contiguous()
+    packed = torch.empty(logprobs.shape[0], 1 + 2 * max(k, 0), dtype=torch.int32)  # a k below 0: refused below
+    failed = loaded.aftgen_top_scores(logprobs.data_ptr(), logprobs.shape[0], logprobs.shape[1], tokens.data_ptr(), k,
+                                      packed.data_ptr())  # fmt: skip
+    if failed:
+        raise ValueError(f"top_scores: k={k} or a token is out of range for a vocabulary of {logprobs.shape[1]}")
+    return packed
