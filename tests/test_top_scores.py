@@ -47,6 +47,16 @@ def test_a_k_or_token_out_of_range_is_refused_not_read(k, token):
         rowdot.top_scores(torch.zeros(2, 40), torch.tensor([0, token]), k)
 
 
+@pytest.mark.parametrize(
+    ("logprobs", "tokens"),
+    [(torch.zeros(2, 40), torch.tensor([0, 1, 2])), (torch.zeros(2, 40), torch.tensor([[0, 1]])),
+     (torch.zeros(40), torch.tensor([0])), (torch.zeros(2, 40, device="meta"), torch.tensor([0, 1]))],
+)  # fmt: skip
+def test_shapes_or_a_device_the_kernel_cannot_read_are_refused_not_read(logprobs, tokens):
+    with pytest.raises(ValueError, match="top_scores reads logprobs"):
+        rowdot.top_scores(logprobs, tokens, 3)
+
+
 def test_without_the_library_the_records_are_torchs_and_the_build_is_tried_once(monkeypatch):
     logprobs = logprobs_without_ties(8, 256, seed=1)
     tokens = torch.arange(8) * 30

@@ -170,6 +170,10 @@ def top_scores(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Te
     loaded = scores_library()
     if loaded is None:
         return None
+    on_cpu = logprobs.device.type == tokens.device.type == "cpu"
+    if logprobs.dim() != 2 or tokens.shape != logprobs.shape[:1] or not on_cpu:
+        raise ValueError(f"top_scores reads logprobs (T, V) and tokens (T,) on a CPU, not {logprobs.shape} on "
+                         f"{logprobs.device} and {tokens.shape} on {tokens.device}")  # fmt: skip
     logprobs, tokens = logprobs.float().contiguous(), tokens.long().contiguous()
     packed = torch.empty(logprobs.shape[0], 1 + 2 * max(k, 0), dtype=torch.int32)  # a k below 0: refused below
     failed = loaded.aftgen_top_scores(logprobs.data_ptr(), logprobs.shape[0], logprobs.shape[1], tokens.data_ptr(), k,
