@@ -224,7 +224,7 @@ def token_scores(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[t
     logprobs = logits.float().log_softmax(-1)
     count = min(top, logprobs.shape[-1])
     packed = rowdot.top_scores(logprobs, tokens, count) if logprobs.device.type == "cpu" else None
-    if packed is None:  # a GPU's logits, or no C++ compiler here
+    if packed is None:  # a GPU's logits, no C++ compiler here, or more alternatives than the kernel keeps
         packed = top_scores_in_torch(logprobs, tokens, count)
     # one call for the step, cut into rows: a call a row costs the engine twice that
     text = packed.numpy().astype("<i4", copy=False).tobytes().hex()

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._inductor.exc import InvalidCxxCompiler
 
 from aftgen import rowdot
+from aftgen.compiled_cache import CacheUnusable
 from aftgen.sampling import read_score, token_scores, top_scores_in_torch
 
 
@@ -41,10 +43,26 @@ def test_among_equal_figures_the_lower_id_comes_first():
     assert chosen == [-3.0, -1.0, float("-inf")]
 
 
-@pytest.mark.parametrize(("k", "token"), [(-1, 0), (41, 0), (65, 0), (5, 40), (5, -1)])
-def test_a_k_or_token_out_of_range_is_refused_not_read(k, token):
-    with pytest.raises(ValueError, match="out of range"):
-        rowdot.top_scores(torch.zeros(2, 40), torch.tensor([0, token]), k)
+@pytest.mark.parametrize("token", [40, -1, 2**40])
+def test_a_token_out_of_range_is_refused_not_read(token):
+    with pytest.raises(ValueError, match="a token is out of range"):
+        rowdot.top_scores(torch.zeros(2, 40), torch.tensor([0, token]), 5)
+
+
+@pytest.mark.parametrize("k", [-1, 41, -(2**32) + 5, 2**32 + 5])  # the last two: what a C int would wrap to 5
+def test_a_k_out_of_range_is_refused_before_anything_is_made(k):
+    with pytest.raises(ValueError, match=f"and k={k}$"):
+        rowdot.top_scores(torch.zeros(2, 40), torch.tensor([0, 1]), k)
+
+
+def test_more_alternatives_than_the_kernel_keeps_are_torchs():
+    logprobs = logprobs_without_ties(2, 100, seed=3)
+    tokens = torch.tensor([4, 99])
+    most = rowdot.scores_library().aftgen_top_scores_most()
+    assert rowdot.top_scores(logprobs, tokens, most) is not None
+    assert rowdot.top_scores(logprobs, tokens, most + 1) is None
+    records = token_scores(logprobs, tokens, most + 1)
+    assert [len(read_score(record, most + 1)[1]) for _, record in records] == [most + 1] * 2
 
 
 @pytest.mark.parametrize(
@@ -57,7 +75,13 @@ def test_shapes_or_a_device_the_kernel_cannot_read_are_refused_not_read(logprobs
         rowdot.top_scores(logprobs, tokens, 3)
 
 
-def test_without_the_library_the_records_are_torchs_and_the_build_is_tried_once(monkeypatch):
+@pytest.mark.parametrize(
+    "failure",
+    [rowdot.RowdotUnavailable("cannot build the batch-invariant product: g++ said: no"),
+     InvalidCxxCompiler(),  # what torch raises where it finds no compiler at all
+     CacheUnusable("/cache/compiled is not a folder"), OSError("cannot open shared object file")],
+)  # fmt: skip
+def test_without_the_library_the_records_are_torchs_and_the_build_is_tried_once(failure, monkeypatch):
     logprobs = logprobs_without_ties(8, 256, seed=1)
     tokens = torch.arange(8) * 30
     with_library = token_scores(logprobs, tokens, 5)
@@ -65,7 +89,7 @@ def test_without_the_library_the_records_are_torchs_and_the_build_is_tried_once(
 
     def failing_library():
         builds.append(1)
-        raise rowdot.RowdotUnavailable("cannot build the batch-invariant product: no compiler")
+        raise failure
 
     monkeypatch.setattr(rowdot, "library", failing_library)
     rowdot.scores_library.cache_clear()

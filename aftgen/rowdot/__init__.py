@@ -58,6 +58,8 @@ def library() -> ctypes.CDLL:
     loaded.aftgen_rowdot_kernel.restype = ctypes.c_char_p
     loaded.aftgen_rowdot_kernel.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     loaded.aftgen_top_scores.restype = ctypes.c_int
+    loaded.aftgen_top_scores_most.restype = ctypes.c_int
+    loaded.aftgen_top_scores_most.argtypes = []
     loaded.aftgen_top_scores.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                                          ctypes.c_void_p]  # fmt: skip
     return loaded
@@ -155,29 +157,33 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 @functools.cache
 def scores_library() -> ctypes.CDLL | None:
-    """The library for top_scores, or None where it cannot be built here (asked once: a step must not wait on a
-    compiler that failed)."""
+    """The library for top_scores, or None where it cannot be built or loaded here, for any reason (no compiler, a
+    cache folder that cannot be used): asked once, as a step must not wait on a compiler that failed, and a
+    request's scores must not fail where torch.topk can give them."""
     try:
         return library()
-    except (RowdotUnavailable, OSError):
+    except Exception:
         return None
 
 
 def top_scores(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor | None:
     """Each row of `logprobs` (T, V) on a CPU: the log-probability of its token in `tokens` (T,) and the `k`
     largest, high to low (the lower id first among equals), packed as int32 (T, 1 + 2k): [the token's figure, the
-    k figures (float32 bits), their ids]. None where the library cannot be built here."""
-    loaded = scores_library()
-    if loaded is None:
-        return None
+    k figures (float32 bits), their ids]. None where the library cannot serve it: it cannot be built here, or k is
+    above the most it keeps."""
     on_cpu = logprobs.device.type == tokens.device.type == "cpu"
-    if logprobs.dim() != 2 or tokens.shape != logprobs.shape[:1] or not on_cpu:
-        raise ValueError(f"top_scores reads logprobs (T, V) and tokens (T,) on a CPU, not {logprobs.shape} on "
-                         f"{logprobs.device} and {tokens.shape} on {tokens.device}")  # fmt: skip
+    if logprobs.dim() != 2 or tokens.shape != logprobs.shape[:1] or not on_cpu or not 0 <= k <= logprobs.shape[1]:
+        raise ValueError(
+            f"top_scores reads logprobs (T, V) and tokens (T,) on a CPU and 0 <= k <= V, not {logprobs.shape} on "
+            f"{logprobs.device}, {tokens.shape} on {tokens.device} and k={k}"
+        )
+    loaded = scores_library()
+    if loaded is None or k > loaded.aftgen_top_scores_most():
+        return None
     logprobs, tokens = logprobs.float().contiguous(), tokens.long().contiguous()
-    packed = torch.empty(logprobs.shape[0], 1 + 2 * max(k, 0), dtype=torch.int32)  # a k below 0: refused below
+    packed = torch.empty(logprobs.shape[0], 1 + 2 * k, dtype=torch.int32)
     failed = loaded.aftgen_top_scores(logprobs.data_ptr(), logprobs.shape[0], logprobs.shape[1], tokens.data_ptr(), k,
                                       packed.data_ptr())  # fmt: skip
     if failed:
-        raise ValueError(f"top_scores: k={k} or a token is out of range for a vocabulary of {logprobs.shape[1]}")
+        raise ValueError(f"top_scores: a token is out of range for a vocabulary of {logprobs.shape[1]}")
     return packed

@@ -6,7 +6,8 @@
 //
 // logprobs (rows, vocab) float32 contiguous, tokens (rows) int64, out (rows, 1 + 2k) int32:
 //   [the chosen token's log-probability, the k likeliest log-probabilities high to low (float32 bits), their ids].
-// Among equal log-probabilities the lower id comes first, as a stable sort from high to low puts them.
+// Among equal log-probabilities the lower id comes first, as a stable sort from high to low puts them. NaN has no
+// place in that order: the engine refuses a row with NaN scores before it draws from it.
 
 #include <cstdint>
 #include <cstring>
@@ -51,19 +52,23 @@ void row_top(const float* x, int64_t vocab, int k, float* values, int32_t* ids) 
 
 extern "C" {
 
-// Returns 0, or -1 where k is out of range (0..min(vocab, MOST)) or a token id is outside the vocabulary.
+// The largest k aftgen_top_scores keeps.
+int aftgen_top_scores_most() { return MOST; }
+
+// Returns 0, or -1 where k is out of range (0..min(vocab, MOST)) or a token id is outside the vocabulary (the rows
+// before it written, the rest not).
 int aftgen_top_scores(const float* logprobs, int64_t rows, int64_t vocab, const int64_t* tokens, int k,
                       int32_t* out) {
     if (k < 0 || k > MOST || k > vocab) return -1;
-    for (int64_t r = 0; r < rows; ++r)
-        if (tokens[r] < 0 || tokens[r] >= vocab) return -1;
     for (int64_t r = 0; r < rows; ++r) {
+        const int64_t token = tokens[r];  // read once: the check and the read see the same id
+        if (token < 0 || token >= vocab) return -1;
         const float* x = logprobs + r * vocab;
         float values[MOST];
         int32_t ids[MOST];
         if (k > 0) row_top(x, vocab, k, values, ids);
         int32_t* o = out + r * (1 + 2 * int64_t(k));
-        std::memcpy(o, x + tokens[r], sizeof(float));
+        std::memcpy(o, x + token, sizeof(float));
         std::memcpy(o + 1, values, sizeof(float) * size_t(k));
         std::memcpy(o + 1 + k, ids, sizeof(int32_t) * size_t(k));
     }

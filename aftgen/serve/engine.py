@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aftgen import cores
+from aftgen import cores, rowdot
 from aftgen.device import Placement
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, StepFunction
@@ -86,6 +86,8 @@ class Engine:
         """`step`: how the batch is stepped (batch.CompiledBatchStep; None: batch.eager_step). `clock`: seconds, for
         deadlines and the text's hand-over."""
         self.model, self.tokenizer, self.options, self.placement = model, tokenizer, options, placement
+        if placement.device.type == "cpu":
+            rowdot.scores_library()  # built now if it must be, not in the first step that asks for scores
         step = step or eager_step(model, options.batch_invariant)
         self.batch = Batch(model, options.parallel, step)  # its rows are the Rows generating, in step order
         self.state_bytes = state_bytes(model.initial_state(1))

@@ -29,7 +29,7 @@ KEEP_WITHIN = 0.03  # the default stays where it reads within 3% of the best: th
 DATA_LIMITED_PASSES = 4.0  # at more passes over the text than this, the text is the limit: the default stays
 TOO_SMALL = 200_000  # training characters below which nothing is measured (the text is the limit)
 # Each candidate's step is timed this many times, in turn, and its best kept: timed once each, the 30 MB corpus's
-# 4096 ran at 0.54-0.76 of 2048's speed from run to run, and 2048 read 4-16% more than 1024 (docs/recipe.md).
+# 4096 ran at 0.54-0.78 of 2048's speed from run to run, and 2048 read 4-16% more than 1024 (docs/recipe.md).
 SPEED_ROUNDS = 2
 
 
