@@ -58,10 +58,10 @@ def library() -> ctypes.CDLL:
     loaded.aftgen_rowdot_kernel.restype = ctypes.c_char_p
     loaded.aftgen_rowdot_kernel.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     loaded.aftgen_top_scores.restype = ctypes.c_int
-    loaded.aftgen_top_scores_most.restype = ctypes.c_int
-    loaded.aftgen_top_scores_most.argtypes = []
     loaded.aftgen_top_scores.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                                          ctypes.c_void_p]  # fmt: skip
+    loaded.aftgen_top_scores_most.restype = ctypes.c_int
+    loaded.aftgen_top_scores_most.argtypes = []
     return loaded
 
 

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from aftgen.corpus import CorpusOptions
 from aftgen.corpus.sample import evenly
 from aftgen.tokenizer import train_tokenizer_on_slices
+from aftgen.training import probe
 
 DEFAULT = CorpusOptions.vocab_size
 CANDIDATES = (1024, 2048, 4096)  # smallest first; 512 left too few pieces beyond the characters of varied text
@@ -28,9 +29,6 @@ SAMPLE_CHARS = 2_000_000  # the candidates' tokenizers train on half of it, in a
 KEEP_WITHIN = 0.03  # the default stays where it reads within 3% of the best: the probe's own noise
 DATA_LIMITED_PASSES = 4.0  # at more passes over the text than this, the text is the limit: the default stays
 TOO_SMALL = 200_000  # training characters below which nothing is measured (the text is the limit)
-# Each candidate's step is timed this many times, in turn, and its best kept: timed once each, the 30 MB corpus's
-# 4096 ran at 0.54-0.78 of 2048's speed from run to run, and 2048 read 4-16% more than 1024 (docs/recipe.md).
-SPEED_ROUNDS = 2
 
 
 @dataclass(frozen=True)
@@ -94,7 +92,7 @@ def measure(
 ) -> list[Candidate]:
     """Each candidate measured: a tokenizer trained on the even slices of a SAMPLE_CHARS sample of `slices` (the
     tokenizer's training text), its characters a token on the odd ones, and `speed(vocab)`: training tokens/s,
-    the best of SPEED_ROUNDS."""
+    the best of probe.ROUNDS (probe.fastest_of)."""
     sample = list(evenly(slices, sum(map(len, slices)), SAMPLE_CHARS))
     learn, read = sample[::2], sample[1::2] or sample
     read_chars = sum(map(len, read))
@@ -104,8 +102,5 @@ def measure(
         tokenizer = train_tokenizer_on_slices(learn, vocab, tokenizer_type, log=lambda _: None)
         tokens = sum(map(len, tokenizer.sp.encode(read)))  # the slices are the trainer's text: escaped already
         chars_per_token[vocab] = read_chars / max(tokens, 1)
-    speeds = dict.fromkeys(CANDIDATES, 0.0)
-    for turn in range(SPEED_ROUNDS):  # in turn, the order reversed each round, each one's best kept
-        for vocab in CANDIDATES[:: -1 if turn % 2 else 1]:
-            speeds[vocab] = max(speeds[vocab], speed(vocab))
+    speeds = probe.fastest_of(CANDIDATES, speed)
     return [Candidate(vocab, chars_per_token[vocab], speeds[vocab]) for vocab in CANDIDATES]
