@@ -4,9 +4,8 @@ timed (the recipe's measure of the machine)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -18,11 +17,6 @@ from aftgen.training import recipe
 from aftgen.training.options import RECIPE_FIELDS, TrainOptions
 
 WARM_UP_STEPS, TIMED_STEPS = 2, 3
-# Candidates the recipe chooses between by speed (dtypes, vocabularies) are each timed this many times, in turn,
-# and their best kept: one slow measurement (a busy moment) once chose fp32 on a machine where bf16 trains 1.5
-# times as fast, and, timed once, the 30 MB corpus's 4096 pieces ran at 0.54-0.78 of 2048's speed from run to run.
-ROUNDS = 2
-Candidate = TypeVar("Candidate")
 
 # Of a time budget, the most the recipe's own held-out checks may take: a short budget gets fewer than
 # CHECKS_PER_RUN. A 40-s run of preset small on 2 cores spent an eighth of its time on 25 checks and their saves
@@ -30,16 +24,6 @@ Candidate = TypeVar("Candidate")
 # still makes all 25 (1-3% of it here) and a 40-s one 6-8, enough for the best check and patience to matter.
 CHECKS_SHARE = 0.1
 MOST_ON_CHECKS = 0.5  # of the budget, with the user's --eval-interval: beyond it the plan is wrong about something
-
-
-def fastest_of(candidates: Sequence[Candidate], speed: Callable[[Candidate], float]) -> dict[Candidate, float]:
-    """Each candidate's best `speed` over ROUNDS rounds, timed in turn, the order reversed each round (so that none
-    is always timed first, nor always right after another)."""
-    speeds = dict.fromkeys(candidates, 0.0)
-    for turn in range(ROUNDS):
-        for candidate in candidates[:: -1 if turn % 2 else 1]:
-            speeds[candidate] = max(speeds[candidate], speed(candidate))
-    return speeds
 
 
 def training_step(model: AFTLM, batch: int, length: int, autocast: Callable) -> Callable[[], None]:
@@ -161,7 +145,7 @@ def _dtype(dtype: str, model: tuple[AFTConfig, int], placement: Placement) -> st
     measured faster (it is on CPUs with bf16 matrix units, and slower on the rest)."""
     if dtype != "auto" or placement.device.type != "cpu":
         return next(name for name, torch_dtype in DTYPES.items() if torch_dtype == placement.dtype)
-    speeds = fastest_of(
+    speeds = recipe.fastest_of(
         (torch.float32, torch.bfloat16), lambda kind: tokens_per_s(*model, Placement(placement.device, kind))
     )
     return "bf16" if speeds[torch.bfloat16] >= recipe.FASTER_ENOUGH * speeds[torch.float32] else "fp32"

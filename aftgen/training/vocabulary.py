@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from aftgen.corpus import CorpusOptions
 from aftgen.corpus.sample import evenly
 from aftgen.tokenizer import train_tokenizer_on_slices
-from aftgen.training import probe
+from aftgen.training.recipe import fastest_of
 
 DEFAULT = CorpusOptions.vocab_size
 CANDIDATES = (1024, 2048, 4096)  # smallest first; 512 left too few pieces beyond the characters of varied text
@@ -92,7 +92,7 @@ def measure(
 ) -> list[Candidate]:
     """Each candidate measured: a tokenizer trained on the even slices of a SAMPLE_CHARS sample of `slices` (the
     tokenizer's training text), its characters a token on the odd ones, and `speed(vocab)`: training tokens/s,
-    the best of probe.ROUNDS (probe.fastest_of)."""
+    the best of recipe.ROUNDS (recipe.fastest_of)."""
     sample = list(evenly(slices, sum(map(len, slices)), SAMPLE_CHARS))
     learn, read = sample[::2], sample[1::2] or sample
     read_chars = sum(map(len, read))
@@ -102,5 +102,5 @@ def measure(
         tokenizer = train_tokenizer_on_slices(learn, vocab, tokenizer_type, log=lambda _: None)
         tokens = sum(map(len, tokenizer.sp.encode(read)))  # the slices are the trainer's text: escaped already
         chars_per_token[vocab] = read_chars / max(tokens, 1)
-    speeds = probe.fastest_of(CANDIDATES, speed)
+    speeds = fastest_of(CANDIDATES, speed)
     return [Candidate(vocab, chars_per_token[vocab], speeds[vocab]) for vocab in CANDIDATES]
