@@ -221,11 +221,10 @@ def chosen(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def token_scores(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[tuple[int, str]]:
     """Each token's (id, score record) under its row of logits (T, V): its log-probability (token_logprobs'
     figure) and the `top` likeliest tokens', likeliest first, packed for the trip to the replies (read_score)."""
-    logprobs = logits.float().log_softmax(-1)
-    count = min(top, logprobs.shape[-1])
-    packed = rowdot.top_scores(logprobs, tokens, count) if logprobs.device.type == "cpu" else None
+    count = min(top, logits.shape[-1])
+    packed = rowdot.top_scores(logits, tokens, count) if logits.device.type == "cpu" else None
     if packed is None:  # a GPU's logits, no C++ compiler here, or more alternatives than the kernel keeps
-        packed = top_scores_in_torch(logprobs, tokens, count)
+        packed = top_scores_in_torch(logits.float().log_softmax(-1), tokens, count)
     # one call for the step, cut into rows: a call a row costs the engine twice that
     text = packed.numpy().astype("<i4", copy=False).tobytes().hex()
     width = 8 * packed.shape[1]

@@ -39,7 +39,9 @@ from aftgen.files import own_source, shown
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowdot.cpp", "top_scores.cpp"))
 # How a step package calls it (AOTInductor's custom-op shims): the C declaration of rowdot.cpp's entry point.
 SHIM = "AOTITorchError aoti_torch_cpu_rowdot(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
-FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]  # no -march: the kernel is chosen as it runs
+# No -march: the kernel is chosen as it runs. -fno-trapping-math lets top_scores' clamps become vector max/min (no
+# figure changes: it only lets floating-point exceptions, which nothing here reads, go unraised).
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math"]
 BUILD_TIMEOUT = 300  # seconds: a compiler that hangs is not waited for
 
 
@@ -60,8 +62,10 @@ def library() -> ctypes.CDLL:
     loaded.aftgen_top_scores.restype = ctypes.c_int
     loaded.aftgen_top_scores.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                                          ctypes.c_void_p]  # fmt: skip
-    loaded.aftgen_top_scores_most.restype = ctypes.c_int
-    loaded.aftgen_top_scores_most.argtypes = []
+    loaded.aftgen_top_scores_at.restype = ctypes.c_int
+    loaded.aftgen_top_scores_at.argtypes = [ctypes.c_int, *loaded.aftgen_top_scores.argtypes]
+    for name in ("aftgen_top_scores_most", "aftgen_top_scores_levels"):
+        getattr(loaded, name).restype, getattr(loaded, name).argtypes = ctypes.c_int, []
     return loaded
 
 
@@ -166,24 +170,36 @@ def scores_library() -> ctypes.CDLL | None:
         return None
 
 
-def top_scores(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor | None:
-    """Each row of `logprobs` (T, V) on a CPU: the log-probability of its token in `tokens` (T,) and the `k`
-    largest, high to low (the lower id first among equals), packed as int32 (T, 1 + 2k): [the token's figure, the
-    k figures (float32 bits), their ids]. None where the library cannot serve it: it cannot be built here, or k is
-    above the most it keeps."""
-    on_cpu = logprobs.device.type == tokens.device.type == "cpu"
-    if logprobs.dim() != 2 or tokens.shape != logprobs.shape[:1] or not on_cpu or not 0 <= k <= logprobs.shape[1]:
+def top_scores(logits: torch.Tensor, tokens: torch.Tensor, k: int, level: int | None = None) -> torch.Tensor | None:
+    """Each row of `logits` (T, V) on a CPU, made log-probabilities (log_softmax): the log-probability of its token in
+    `tokens` (T,) and the `k` largest, high to low (the lower id first among equal logits), packed as int32
+    (T, 1 + 2k): [the token's figure, the k figures (float32 bits), their ids]. None where the library cannot serve
+    it: it cannot be built here, or k is above the most it keeps. `level`: the kernel compiled for which level of
+    the machine (0 to scores_levels() - 1; None: the highest, as the server runs), for tests."""
+    on_cpu = logits.device.type == tokens.device.type == "cpu"
+    shapes = logits.dim() == 2 and logits.shape[1] > 0 and tokens.shape == logits.shape[:1]
+    if not (shapes and on_cpu and 0 <= k <= logits.shape[1]):
         raise ValueError(
-            f"top_scores reads logprobs (T, V) and tokens (T,) on a CPU and 0 <= k <= V, not {logprobs.shape} on "
-            f"{logprobs.device}, {tokens.shape} on {tokens.device} and k={k}"
+            f"top_scores reads logits (T, V > 0) and tokens (T,) on a CPU and 0 <= k <= V, not {logits.shape} on "
+            f"{logits.device}, {tokens.shape} on {tokens.device} and k={k}"
         )
     loaded = scores_library()
     if loaded is None or k > loaded.aftgen_top_scores_most():
         return None
-    logprobs, tokens = logprobs.float().contiguous(), tokens.long().contiguous()
-    packed = torch.empty(logprobs.shape[0], 1 + 2 * k, dtype=torch.int32)
-    failed = loaded.aftgen_top_scores(logprobs.data_ptr(), logprobs.shape[0], logprobs.shape[1], tokens.data_ptr(), k,
-                                      packed.data_ptr())  # fmt: skip
+    levels = loaded.aftgen_top_scores_levels()
+    level = levels - 1 if level is None else level
+    if not 0 <= level < levels:
+        raise ValueError(f"top_scores: this machine runs levels 0 to {levels - 1} of the kernel, not {level}")
+    logits, tokens = logits.float().contiguous(), tokens.long().contiguous()
+    packed = torch.empty(logits.shape[0], 1 + 2 * k, dtype=torch.int32)
+    failed = loaded.aftgen_top_scores_at(level, logits.data_ptr(), logits.shape[0], logits.shape[1],
+                                         tokens.data_ptr(), k, packed.data_ptr())  # fmt: skip
     if failed:
-        raise ValueError(f"top_scores: a token is out of range for a vocabulary of {logprobs.shape[1]}")
+        raise ValueError(f"top_scores: a token is out of range for a vocabulary of {logits.shape[1]}")
     return packed
+
+
+def scores_levels() -> int:
+    """How many levels of top_scores's kernel this machine runs (base; x86-64-v3; v4), 0 without the library."""
+    loaded = scores_library()
+    return 0 if loaded is None else loaded.aftgen_top_scores_levels()

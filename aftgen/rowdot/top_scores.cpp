@@ -1,24 +1,63 @@
 // The scores a step reports for `logprobs`: each row's chosen token's log-probability and its k likeliest
-// tokens', packed as aftgen.sampling's score records are (aftgen/sampling.py, token_scores). torch.topk over a
-// step's 32 rows of 1,024 log-probabilities cost the serving engine, which sets the pace, more than all else
-// `logprobs` adds (docs/benchmarks.md); one pass over each row that skips any block of 16 with nothing above the
-// current k-th costs a quarter of it (12 against 49 us for 32 rows and k = 5, on one thread).
+// tokens', packed as aftgen.sampling's score records are (aftgen/sampling.py, token_scores), read from the step's
+// logits in one call. Inside the serving engine, which sets the pace, torch's log_softmax and a top-k over a step's
+// 32 rows of 1,024 logits cost 156 us a step, half of it in a top-k whose branches mispredicted on each step's fresh
+// logits (a loop timing the same logits again and again teaches the predictor, and reads a third of that). Here:
+// the maxima of 64 interleaved groups, whose k-th bounds the row's k-th value from the start, so few branches go
+// the rare way, and a log-sum-exp whose exp the compiler vectorises.
 //
-// logprobs (rows, vocab) float32 contiguous, tokens (rows) int64, out (rows, 1 + 2k) int32:
+// logits (rows, vocab) float32 contiguous, tokens (rows) int64, out (rows, 1 + 2k) int32:
 //   [the chosen token's log-probability, the k likeliest log-probabilities high to low (float32 bits), their ids].
-// Among equal log-probabilities the lower id comes first, as a stable sort from high to low puts them. NaN has no
-// place in that order: the engine refuses a row with NaN scores before it draws from it.
+// A log-probability is (x - max) - log(sum exp(x - max)), as torch's log_softmax writes it. Among equal logits
+// the lower id comes first, as a stable sort from high to low puts them. NaN has no place in that order: the
+// engine refuses a row with NaN scores before it draws from it.
 
+#include <cmath>  // INFINITY, std::log
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
-constexpr int64_t BLOCK = 16;
+#define INLINE inline __attribute__((always_inline))
+
+constexpr int64_t BLOCK = 16;  // values a branch of the top-k's second pass passes over
 constexpr int MOST = 64;  // the largest k kept (OpenAI's API asks for at most 20)
+constexpr int64_t LANES = MOST;  // groups whose maxima bound the k-th value: at least k of them
+
+// exp(x) for x <= 0 to within 2 ulp (Cephes' expf): branch-free, so that a loop of it vectorises without
+// -ffast-math. Below -87 it gives exp(-87), which a sum with exp(0) = 1 in it does not see.
+INLINE float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2), in -126..0
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;  // x - n ln 2, ln 2 in two parts
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = (int32_t(n) + 127) << 23;  // 2^n
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+// log(sum exp(x - top)) over the row: in BLOCK partial sums, so the loop is elementwise and vectorises.
+INLINE float log_sum_exp_below(const float* x, int64_t vocab, float top) {
+    float sums[BLOCK] = {};
+    int64_t j = 0;
+    for (; j + BLOCK <= vocab; j += BLOCK)
+        for (int64_t i = 0; i < BLOCK; ++i) sums[i] += exp_nonpositive(x[j + i] - top);
+    for (int64_t i = 0; j + i < vocab; ++i) sums[i] += exp_nonpositive(x[j + i] - top);
+    double total = 0.0;
+    for (float s : sums) total += s;
+    return float(std::log(total));
+}
 
 // Insert (v, id) into the k best so far, high to low, after any equal ones (they have lower ids).
-inline void insert(float* values, int32_t* ids, int& count, int k, float v, int32_t id) {
+INLINE void insert(float* values, int32_t* ids, int& count, int k, float v, int32_t id) {
     int at = count < k ? count++ : k - 1;
     while (at > 0 && v > values[at - 1]) {
         values[at] = values[at - 1];
@@ -29,23 +68,106 @@ inline void insert(float* values, int32_t* ids, int& count, int k, float v, int3
     ids[at] = id;
 }
 
-// Whether any of the block's n values is above `floor`: branch-free, so the compiler vectorises it.
-inline bool any_above(const float* x, int64_t n, float floor) {
-    int above = 0;
-    for (int64_t i = 0; i < n; ++i) above |= x[i] > floor;
-    return above;
+// The largest of each of LANES interleaved groups of the row (x[j] is in group j mod LANES): an elementwise loop,
+// which vectorises. Groups the row does not reach stay at -inf.
+INLINE void group_maxima(const float* x, int64_t vocab, float* maxima) {
+    for (int64_t i = 0; i < LANES; ++i) maxima[i] = -INFINITY;
+    int64_t j = 0;
+    for (; j + LANES <= vocab; j += LANES)
+        for (int64_t i = 0; i < LANES; ++i) maxima[i] = x[j + i] > maxima[i] ? x[j + i] : maxima[i];
+    for (int64_t i = 0; j + i < vocab; ++i) maxima[i] = x[j + i] > maxima[i] ? x[j + i] : maxima[i];
 }
 
-void row_top(const float* x, int64_t vocab, int k, float* values, int32_t* ids) {
+// Whether any of the block's n values is at least `floor`: branch-free, so the compiler vectorises it.
+INLINE bool any_reaching(const float* x, int64_t n, float floor) {
+    int reaching = 0;
+    for (int64_t i = 0; i < n; ++i) reaching |= x[i] >= floor;
+    return reaching;
+}
+
+// The row's k largest logits, high to low, given its group maxima. The k-th largest of those is at most the row's
+// k-th value (k groups hold a value at least that), so from the start only the few blocks that reach it are read
+// again, and the branches that pick them out seldom go the other way.
+INLINE void row_top(const float* x, int64_t vocab, int k, const float* maxima, float* values, int32_t* ids) {
     int count = 0;
-    int64_t j = 0;
-    for (; j < vocab && count < k; ++j) insert(values, ids, count, k, x[j], int32_t(j));
-    for (; j < vocab; j += BLOCK) {
+    for (int i = 0; i < LANES; ++i)  // values, ids as scratch
+        if (count < k || maxima[i] > values[k - 1]) insert(values, ids, count, k, maxima[i], i);
+    const float floor = values[k - 1];
+    count = 0;
+    for (int64_t j = 0; j < vocab; j += BLOCK) {
         const int64_t n = vocab - j < BLOCK ? vocab - j : BLOCK;
-        if (!any_above(x + j, n, values[k - 1])) continue;
+        if (!any_reaching(x + j, n, floor)) continue;
         for (int64_t i = 0; i < n; ++i)
-            if (x[j + i] > values[k - 1]) insert(values, ids, count, k, x[j + i], int32_t(j + i));
+            if (x[j + i] >= floor && (count < k || x[j + i] > values[k - 1]))
+                insert(values, ids, count, k, x[j + i], int32_t(j + i));
     }
+}
+
+// The rows' records (aftgen_top_scores, its checks made).
+INLINE int score_rows(const float* logits, int64_t rows, int64_t vocab, const int64_t* tokens, int k, int32_t* out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t token = tokens[r];  // read once: the check and the read see the same id
+        if (token < 0 || token >= vocab) return -1;
+        const float* x = logits + r * vocab;
+        float maxima[LANES], values[MOST];
+        int32_t ids[MOST];
+        group_maxima(x, vocab, maxima);
+        float top = maxima[0];
+        for (float m : maxima) top = m > top ? m : top;
+        if (k > 0) row_top(x, vocab, k, maxima, values, ids);
+        const float log_sum = log_sum_exp_below(x, vocab, top);
+        int32_t* o = out + r * (1 + 2 * int64_t(k));
+        const float chosen = (x[token] - top) - log_sum;
+        std::memcpy(o, &chosen, sizeof(float));
+        for (int i = 0; i < k; ++i) {
+            const float figure = (values[i] - top) - log_sum;
+            std::memcpy(o + 1 + i, &figure, sizeof(float));
+        }
+        std::memcpy(o + 1 + k, ids, sizeof(int32_t) * size_t(k));
+    }
+    return 0;
+}
+
+// One per level of the machine, compiled for it, as rowdot.cpp's products are: the log-sum-exp's vectors are 4, 8
+// or 16 floats wide. The figures may differ in their last bit from one level to another (fused multiply-adds),
+// never the order.
+typedef int (*ScoreRows)(const float* logits, int64_t rows, int64_t vocab, const int64_t* tokens, int k,
+                         int32_t* out);
+
+#if defined(__x86_64__)
+__attribute__((target("arch=x86-64-v4"))) int score_rows_v4(const float* logits, int64_t rows, int64_t vocab,
+                                                             const int64_t* tokens, int k, int32_t* out) {
+    return score_rows(logits, rows, vocab, tokens, k, out);
+}
+
+__attribute__((target("arch=x86-64-v3"))) int score_rows_v3(const float* logits, int64_t rows, int64_t vocab,
+                                                             const int64_t* tokens, int k, int32_t* out) {
+    return score_rows(logits, rows, vocab, tokens, k, out);
+}
+#endif
+
+int score_rows_base(const float* logits, int64_t rows, int64_t vocab, const int64_t* tokens, int k, int32_t* out) {
+    return score_rows(logits, rows, vocab, tokens, k, out);
+}
+
+// How many levels this machine runs: base (0), then x86-64-v3 (1) and v4 (2) where it has them.
+int machine_levels() {
+#if defined(__x86_64__)
+    __builtin_cpu_init();  // this runs as the library loads, perhaps before the compiler's runtime has looked
+    if (__builtin_cpu_supports("x86-64-v4")) return 3;
+    if (__builtin_cpu_supports("x86-64-v3")) return 2;
+#endif
+    return 1;
+}
+
+const int LEVELS = machine_levels();
+
+ScoreRows at_level(int level) {
+#if defined(__x86_64__)
+    if (level == 1) return score_rows_v3;
+    if (level == 2) return score_rows_v4;
+#endif
+    return score_rows_base;
 }
 
 }  // namespace
@@ -55,24 +177,21 @@ extern "C" {
 // The largest k aftgen_top_scores keeps.
 int aftgen_top_scores_most() { return MOST; }
 
-// Returns 0, or -1 where k is out of range (0..min(vocab, MOST)) or a token id is outside the vocabulary (the rows
-// before it written, the rest not).
-int aftgen_top_scores(const float* logprobs, int64_t rows, int64_t vocab, const int64_t* tokens, int k,
-                      int32_t* out) {
-    if (k < 0 || k > MOST || k > vocab) return -1;
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t token = tokens[r];  // read once: the check and the read see the same id
-        if (token < 0 || token >= vocab) return -1;
-        const float* x = logprobs + r * vocab;
-        float values[MOST];
-        int32_t ids[MOST];
-        if (k > 0) row_top(x, vocab, k, values, ids);
-        int32_t* o = out + r * (1 + 2 * int64_t(k));
-        std::memcpy(o, x + token, sizeof(float));
-        std::memcpy(o + 1, values, sizeof(float) * size_t(k));
-        std::memcpy(o + 1 + k, ids, sizeof(int32_t) * size_t(k));
-    }
-    return 0;
+// How many levels of the kernel this machine runs (aftgen_top_scores_at's levels 0 .. this - 1).
+int aftgen_top_scores_levels() { return LEVELS; }
+
+// aftgen_top_scores through one level of the kernel (0: base; the highest this machine runs is what
+// aftgen_top_scores uses), for tests; -1 also for a level this machine cannot run.
+int aftgen_top_scores_at(int level, const float* logits, int64_t rows, int64_t vocab, const int64_t* tokens, int k,
+                         int32_t* out) {
+    if (level < 0 || level >= LEVELS || k < 0 || k > MOST || k > vocab || vocab < 1) return -1;
+    return at_level(level)(logits, rows, vocab, tokens, k, out);
+}
+
+// Returns 0, or -1 where k is out of range (0..min(vocab, MOST)), the vocabulary is empty, or a token id is outside
+// the vocabulary (the rows before it written, the rest not).
+int aftgen_top_scores(const float* logits, int64_t rows, int64_t vocab, const int64_t* tokens, int k, int32_t* out) {
+    return aftgen_top_scores_at(LEVELS - 1, logits, rows, vocab, tokens, k, out);
 }
 
 }  // extern "C"
