@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from collections.abc import Iterator
 
 import numpy as np
@@ -14,6 +15,8 @@ from test_serve import assert_openai_error, client, post, running
 
 from aftgen.api import load
 from aftgen.evaluate import evaluate_text
+from aftgen.sampling import NO_SCORE
+from aftgen.serve.replies import ScoreWriter
 
 HELD_OUT = make_corpus(1500, seed=48)  # text the tiny model never trained on; several prompt chunks long
 
@@ -168,3 +171,44 @@ def test_a_prompt_of_token_ids_scores_as_its_text(url, tokenizer):
 def test_bad_logprobs_fields_get_400_naming_the_field(url, path, fields, param):
     body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
     assert_openai_error(post(url, path, json=body | fields), 400, param)
+
+
+def f32(figures: list[float]) -> list[float]:
+    return np.float32(figures).tolist()
+
+
+def f32_items(alternatives: dict[str, float]) -> list[tuple[str, float]]:
+    return list(zip(alternatives, f32(list(alternatives.values())), strict=True))
+
+
+def records_of(logprob: float, alternatives: list[tuple[int, float]]) -> str:
+    """A score record (aftgen.sampling's read_score) as the engine packs it."""
+    ids, values = [i for i, _ in alternatives], [v for _, v in alternatives]
+    return struct.pack(f"<{1 + len(ids)}f{len(ids)}i", logprob, *values, *ids).hex()
+
+
+def test_the_writer_names_a_text_once_with_its_likelier_figure_and_gives_figures_back_exactly(tokenizer):
+    writer = ScoreWriter(tokenizer)
+    texts = [tokenizer.token_text(token) for token in range(tokenizer.vocab_size)]
+    shared = [token for token in range(tokenizer.vocab_size) if texts.count(texts[token]) > 1]
+    assert shared, "the tiny model's tokenizer has byte-fallback pieces whose text a whole piece has too"
+    twin = next(token for token in shared if token != shared[0] and texts[token] == texts[shared[0]])
+    figures = np.float32([-0.1234567, -1.5, -2.000001, -7.25]).tolist()  # float32's own figures
+    alternatives = [(shared[0], figures[0]), (5, figures[1]), (twin, figures[2]), (9, figures[3])]
+    scores = [(0, 5, records_of(figures[1], alternatives)), (3, 9, records_of(figures[3], alternatives[:2]))]
+    completions = json.loads(writer.completions(scores, 4))
+    assert completions["tokens"] == [texts[5], texts[9]] and completions["text_offset"] == [0, 3]
+    assert f32(completions["token_logprobs"]) == [figures[1], figures[3]]  # 9 digits give float32 back exactly
+    assert f32_items(completions["top_logprobs"][0]) == [(texts[shared[0]], figures[0]), (texts[5], figures[1]),
+                                                            (texts[9], figures[3])]  # fmt: skip
+    assert f32_items(completions["top_logprobs"][1]) == [(texts[shared[0]], figures[0]), (texts[5], figures[1])]
+    fewer = json.loads(writer.completions([(0, 5, records_of(figures[1], alternatives))], 2))["top_logprobs"][0]
+    assert f32_items(fewer) == [(texts[shared[0]], figures[0]), (texts[5], figures[1])]  # `top`, of more held
+    chat = json.loads(writer.chat(scores[:1], 4))["content"][0]
+    assert [entry["token"] for entry in chat["top_logprobs"]] == [texts[token] for token, _ in alternatives]
+    assert f32([chat["logprob"]]) == [figures[1]] and chat["bytes"] == list(tokenizer.token_bytes(5))
+    assert [entry["bytes"] for entry in chat["top_logprobs"]] == [
+        list(tokenizer.token_bytes(t)) for t, _ in alternatives
+    ]
+    nothing = json.loads(writer.completions([(0, 5, NO_SCORE)], 4))
+    assert nothing["token_logprobs"] == [None] and nothing["top_logprobs"] == [None]

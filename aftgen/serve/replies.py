@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import time
@@ -15,15 +16,14 @@ from aftgen.tokenizer import Tokenizer
 as_json = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options makes one a call
 
 
-def number(logprob: float | None) -> str:
-    """A log-probability in JSON: the engine's float32 figure to 9 digits, which give it back exactly (and cost a
-    third of the time repr takes to write the 17 of the figure widened to a double)."""
-    return "null" if logprob is None else f"{logprob:.9g}"
+FIGURE = "%.9g"  # a log-probability in JSON: the engine's float32 figure to 9 digits, which give it back exactly
 
 
 class ScoreWriter:
     """OpenAI's `logprobs` JSON for one tokenizer, written by hand from its tokens' names made JSON once: a streamed
-    token with `logprobs: 5` names six, and json.dumps of the same dicts costs the HTTP side twice the time."""
+    token with `logprobs: 5` names six, and json.dumps of the same dicts costs the HTTP side twice the time. A
+    token's alternatives are written by one `%` format (a template for each count of them), not a format a figure:
+    the HTTP side shares the machine's cores with the engine, so its time a token slows every stream."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.names = [as_json(tokenizer.token_text(token)) for token in range(tokenizer.vocab_size)]
@@ -32,6 +32,30 @@ class ScoreWriter:
             f'{{"token":{name},"bytes":{as_json(list(tokenizer.token_bytes(token)))},"logprob":'
             for token, name in enumerate(self.names)
         ]
+        # tokens that share their text with another (a byte-fallback piece and a whole one): completions' top_logprobs
+        # map text to figure, so of those only the likelier is named
+        counts = collections.Counter(self.names)
+        self.shared = {token for token, name in enumerate(self.names) if counts[name] > 1}
+        self.templates: dict[tuple[bool, int], str] = {}
+
+    def _template(self, chat: bool, count: int) -> str:
+        """The `%` format of `count` alternatives, each a name (chat: an entry's start) and a figure."""
+        if (chat, count) not in self.templates:
+            one = f"%s{FIGURE}}}" if chat else f"%s:{FIGURE}"
+            self.templates[chat, count] = ",".join([one] * count) if chat else f"{{{','.join([one] * count)}}}"
+        return self.templates[chat, count]
+
+    def _alternatives(self, chat: bool, ids: tuple[int, ...], values: tuple[float, ...]) -> str:
+        named = self.entries if chat else self.names
+        if not chat and not self.shared.isdisjoint(ids):  # the likelier (the earlier) of each text only
+            kept = {}
+            for other, value in zip(ids, values, strict=True):
+                kept.setdefault(named[other], value)
+            pairs = [part for pair in kept.items() for part in pair]
+        else:
+            pairs = [None] * (2 * len(ids))
+            pairs[::2], pairs[1::2] = [named[other] for other in ids], values
+        return self._template(chat, len(pairs) // 2) % tuple(pairs)
 
     def completions(self, scores: list[Score], top: int) -> str:
         """Completions' parallel lists; of an alternative's tokens with one text (a byte-fallback piece and a whole
@@ -40,12 +64,8 @@ class ScoreWriter:
         for _, token, record in scores:
             logprob, ids, values = read_score(record, top)
             tokens.append(names[token])
-            figures.append(number(logprob))
-            named: dict[str, str] = {}
-            for other, value in zip(ids, values, strict=True):
-                if names[other] not in named:
-                    named[names[other]] = f"{names[other]}:{number(value)}"
-            tops.append("null" if logprob is None else f"{{{','.join(named.values())}}}")
+            figures.append("null" if logprob is None else FIGURE % logprob)
+            tops.append("null" if logprob is None else self._alternatives(False, ids, values))
         offsets = ",".join([str(start) for start, _, _ in scores])
         return (
             f'{{"tokens":[{",".join(tokens)}],"token_logprobs":[{",".join(figures)}],'
@@ -54,12 +74,11 @@ class ScoreWriter:
 
     def chat(self, scores: list[Score], top: int) -> str:
         """Chat's {"content": [entry with its "top_logprobs", ...]}."""
-        entries, content = self.entries, []
+        content = []
         for _, token, record in scores:
             logprob, ids, values = read_score(record, top)
-            pairs = zip(ids, values, strict=True)
-            alternatives = ",".join([f"{entries[other]}{number(value)}}}" for other, value in pairs])
-            content.append(f'{entries[token]}{number(logprob)},"top_logprobs":[{alternatives}]}}')
+            figure = "null" if logprob is None else FIGURE % logprob
+            content.append(f'{self.entries[token]}{figure},"top_logprobs":[{self._alternatives(True, ids, values)}]}}')
         return f'{{"content":[{",".join(content)}]}}'
 
 
