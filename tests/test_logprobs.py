@@ -3,6 +3,7 @@ streamed and not, in OpenAI's shapes (parsed by the official client), and echo's
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import struct
@@ -13,10 +14,11 @@ import pytest
 from conftest import DEVICE, make_corpus
 from test_serve import assert_openai_error, client, post, running
 
+from aftgen import rowdot
 from aftgen.api import load
 from aftgen.evaluate import evaluate_text
 from aftgen.sampling import NO_SCORE
-from aftgen.serve.replies import ScoreWriter
+from aftgen.serve.replies import FIGURE, ScoreWriter, chat_logprobs, completions_logprobs
 
 HELD_OUT = make_corpus(1500, seed=48)  # text the tiny model never trained on; several prompt chunks long
 
@@ -187,8 +189,15 @@ def records_of(logprob: float, alternatives: list[tuple[int, float]]) -> str:
     return struct.pack(f"<{1 + len(ids)}f{len(ids)}i", logprob, *values, *ids).hex()
 
 
-def test_the_writer_names_a_text_once_with_its_likelier_figure_and_gives_figures_back_exactly(tokenizer):
-    writer = ScoreWriter(tokenizer)
+def shown(writer: ScoreWriter, chat: bool, top: int, scores: list) -> dict:
+    written = writer.show([(chat, top, scores)])[0]
+    return json.loads(chat_logprobs(written) if chat else completions_logprobs(written))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_writer_names_a_text_once_with_its_likelier_figure_and_gives_figures_back_exactly(tokenizer, native):
+    writer = ScoreWriter(tokenizer, native)
+    assert (writer.native is not None) == native
     texts = [tokenizer.token_text(token) for token in range(tokenizer.vocab_size)]
     shared = [token for token in range(tokenizer.vocab_size) if texts.count(texts[token]) > 1]
     assert shared, "the tiny model's tokenizer has byte-fallback pieces whose text a whole piece has too"
@@ -196,19 +205,74 @@ def test_the_writer_names_a_text_once_with_its_likelier_figure_and_gives_figures
     figures = np.float32([-0.1234567, -1.5, -2.000001, -7.25]).tolist()  # float32's own figures
     alternatives = [(shared[0], figures[0]), (5, figures[1]), (twin, figures[2]), (9, figures[3])]
     scores = [(0, 5, records_of(figures[1], alternatives)), (3, 9, records_of(figures[3], alternatives[:2]))]
-    completions = json.loads(writer.completions(scores, 4))
+    completions = shown(writer, False, 4, scores)
     assert completions["tokens"] == [texts[5], texts[9]] and completions["text_offset"] == [0, 3]
     assert f32(completions["token_logprobs"]) == [figures[1], figures[3]]  # 9 digits give float32 back exactly
-    assert f32_items(completions["top_logprobs"][0]) == [(texts[shared[0]], figures[0]), (texts[5], figures[1]),
-                                                            (texts[9], figures[3])]  # fmt: skip
+    assert f32_items(completions["top_logprobs"][0]) == [
+        (texts[shared[0]], figures[0]),
+        (texts[5], figures[1]),
+        (texts[9], figures[3]),
+    ]
     assert f32_items(completions["top_logprobs"][1]) == [(texts[shared[0]], figures[0]), (texts[5], figures[1])]
-    fewer = json.loads(writer.completions([(0, 5, records_of(figures[1], alternatives))], 2))["top_logprobs"][0]
+    fewer = shown(writer, False, 2, [(0, 5, records_of(figures[1], alternatives))])["top_logprobs"][0]
     assert f32_items(fewer) == [(texts[shared[0]], figures[0]), (texts[5], figures[1])]  # `top`, of more held
-    chat = json.loads(writer.chat(scores[:1], 4))["content"][0]
+    chat = shown(writer, True, 4, scores[:1])["content"][0]
     assert [entry["token"] for entry in chat["top_logprobs"]] == [texts[token] for token, _ in alternatives]
     assert f32([chat["logprob"]]) == [figures[1]] and chat["bytes"] == list(tokenizer.token_bytes(5))
     assert [entry["bytes"] for entry in chat["top_logprobs"]] == [
         list(tokenizer.token_bytes(t)) for t, _ in alternatives
     ]
-    nothing = json.loads(writer.completions([(0, 5, NO_SCORE)], 4))
+    nothing = shown(writer, False, 4, [(0, 5, NO_SCORE)])
     assert nothing["token_logprobs"] == [None] and nothing["top_logprobs"] == [None]
+
+
+def test_the_librarys_writer_writes_what_python_writes_byte_for_byte(tokenizer):
+    """Over records with every kind of figure (tiny, huge, whole, negative zero, infinite) and every token, chat's
+    shape and completions' mixed in one call, as a turn's events are."""
+    native, python = ScoreWriter(tokenizer), ScoreWriter(tokenizer, native=False)
+    rng = np.random.default_rng(48)
+    any_bits = lambda n: rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)  # noqa: E731
+    kinds = [lambda n: -rng.exponential(3, n), lambda n: -rng.exponential(1e-6, n), lambda n: rng.normal(0, 1e30, n),
+             lambda n: rng.integers(-100, 1, n), any_bits]  # fmt: skip
+    asks = []
+    for ask in range(200):
+        held = int(rng.integers(0, 21))
+        figures = np.float32(kinds[ask % len(kinds)](1 + held))
+        figures[rng.random(1 + held) < 0.05] = rng.choice(np.float32([0.0, -0.0, -np.inf, 1e9, 1e-22]))
+        figures[np.isnan(figures)] = -1.0  # no NaN: Python and C both write "nan", which no client reads
+        scores = []
+        for start in range(int(rng.integers(1, 4))):
+            ids = rng.integers(0, tokenizer.vocab_size, held).tolist()
+            record = (
+                NO_SCORE
+                if rng.random() < 0.1
+                else records_of(figures[0], list(zip(ids, figures[1:].tolist(), strict=True)))
+            )
+            scores.append((start, int(rng.integers(0, tokenizer.vocab_size)), record))
+        asks.append((bool(rng.random() < 0.5), int(rng.integers(0, held + 1)), scores))
+    assert native.show(asks) == python.show(asks)
+
+
+@pytest.mark.parametrize("record", ["00", "zz000000" * 3, records_of(-1.0, [(10**6, -2.0)]), "0000803f 00"])
+def test_the_librarys_writer_refuses_a_record_it_cannot_read(tokenizer, record):
+    with pytest.raises(ValueError, match="cannot read"):
+        ScoreWriter(tokenizer).show([(False, 1, [(0, 5, record)])])
+
+
+def test_the_librarys_figures_are_pythons_nine_digits():
+    """score_json.cpp's format_figure against Python's "%.9g", over float32's bit patterns and the edges of its
+    integer arithmetic (1e-22 and 1e9, beyond which it hands over to snprintf)."""
+    write = rowdot.scores_library().aftgen_format_figure
+    rng = np.random.default_rng(9)
+    edges = np.float32([0.0, -0.0, 1e9, 999999999.0, 99999999.5, 1e-22, 9.9999999e-23, 1e-4, 9.99999975e-5, 1e-5,
+                        0.5, 2**-149, 3.4e38, np.inf, -np.inf, -1.0, -100.0])  # fmt: skip
+    any_bits = rng.integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    figures = np.concatenate([edges, any_bits, -rng.exponential(3, 50_000).astype(np.float32)])
+    out = ctypes.create_string_buffer(32)
+
+    def written(figure: float) -> str:
+        length = write(figure, out)
+        return out.raw[:length].decode()
+
+    wrong = [v for v in figures[~np.isnan(figures)].tolist() if written(v) != FIGURE % v]
+    assert wrong == []

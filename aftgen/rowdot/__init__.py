@@ -11,7 +11,8 @@ row m of x and row n of w alone, in an order fixed by the machine and w's shape:
   machine's width (AVX-512, AVX2 or 128-bit): about MKL's float32 speed at 32 rows.
 
 Its products run on one thread, as the batch-invariant step's other kernels do (aftgen.model.STEP_THREADS).
-The library also holds the serving step's scores for `logprobs` (top_scores.cpp, through top_scores here).
+The library also holds the serving step's scores for `logprobs` (top_scores.cpp, through top_scores here) and the
+HTTP side's JSON of them (score_json.cpp, through ScoreJSON).
 
 It is built with the C++ compiler that compiles the step (Inductor's) into aftgen's cache on first use, a
 second or two, and loaded with its symbols global: a step package calls `aoti_torch_cpu_rowdot` through
@@ -36,7 +37,7 @@ from aftgen.compiled_cache import cached_library, compiled_folder
 from aftgen.errors import AftgenError
 from aftgen.files import own_source, shown
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowdot.cpp", "top_scores.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("rowdot.cpp", "top_scores.cpp", "score_json.cpp"))
 # How a step package calls it (AOTInductor's custom-op shims): the C declaration of rowdot.cpp's entry point.
 SHIM = "AOTITorchError aoti_torch_cpu_rowdot(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
 # No -march: the kernel is chosen as it runs. -fno-trapping-math lets top_scores' clamps become vector max/min (no
@@ -47,6 +48,17 @@ BUILD_TIMEOUT = 300  # seconds: a compiler that hangs is not waited for
 
 class RowdotUnavailable(AftgenError):
     """The product's library cannot be built here (no C++ compiler, or it failed): the message says why."""
+
+
+UNIT, RECORD = "\x1f", "\x1e"  # score_json.cpp's separators: JSON escapes both inside its strings
+
+
+class _Names(ctypes.Structure):
+    """score_json.cpp's Names: a tokenizer's names and chat entries, made JSON, as one blob each with offsets."""
+
+    _fields_ = [("text", ctypes.c_char_p), ("at", ctypes.POINTER(ctypes.c_int64)), ("entries", ctypes.c_char_p),
+                ("entry_at", ctypes.POINTER(ctypes.c_int64)), ("first", ctypes.POINTER(ctypes.c_int32)),
+                ("vocab", ctypes.c_int64)]  # fmt: skip
 
 
 @functools.cache
@@ -64,6 +76,15 @@ def library() -> ctypes.CDLL:
                                          ctypes.c_void_p]  # fmt: skip
     loaded.aftgen_top_scores_at.restype = ctypes.c_int
     loaded.aftgen_top_scores_at.argtypes = [ctypes.c_int, *loaded.aftgen_top_scores.argtypes]
+    # The HTTP side's calls, a microsecond or two each, keep the GIL (PyDLL's functions): CDLL's let it go for the
+    # call, and on a busy server taking it back waited on the server's other threads longer than the call took.
+    holding = ctypes.PyDLL(loaded._name, handle=loaded._handle)
+    loaded.aftgen_score_json, loaded.aftgen_format_figure = holding.aftgen_score_json, holding.aftgen_format_figure
+    loaded.aftgen_score_json.restype = ctypes.c_int64
+    loaded.aftgen_score_json.argtypes = [ctypes.POINTER(_Names), ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p,
+                                         ctypes.c_int64]  # fmt: skip
+    loaded.aftgen_format_figure.restype = ctypes.c_int
+    loaded.aftgen_format_figure.argtypes = [ctypes.c_float, ctypes.c_char_p]
     for name in ("aftgen_top_scores_most", "aftgen_top_scores_levels"):
         getattr(loaded, name).restype, getattr(loaded, name).argtypes = ctypes.c_int, []
     return loaded
@@ -203,3 +224,44 @@ def scores_levels() -> int:
     """How many levels of top_scores's kernel this machine runs (base; x86-64-v3; v4), 0 without the library."""
     loaded = scores_library()
     return 0 if loaded is None else loaded.aftgen_top_scores_levels()
+
+
+class ScoreJSON:
+    """The shown form of many tokens' scores in one call to the library (score_json.cpp): what aftgen.serve.replies's
+    ScoreWriter writes in Python, byte for byte; `names` and `entries` are its."""
+
+    def __init__(self, loaded: ctypes.CDLL, names: list[str], entries: list[str]):
+        first: dict[str, int] = {}
+        firsts = (ctypes.c_int32 * len(names))(*[first.setdefault(name, token) for token, name in enumerate(names)])
+        (text, at), (entry_text, entry_at) = _blob(names), _blob(entries)
+        self._kept = (text, at, entry_text, entry_at, firsts)  # what self.names points into
+        as_pointer = functools.partial(ctypes.cast, typ=ctypes.c_char_p)
+        self.names = _Names(as_pointer(text), at, as_pointer(entry_text), entry_at, firsts, len(names))
+        self.write = loaded.aftgen_score_json
+        self.longest = max(at[i + 1] - at[i] + entry_at[i + 1] - entry_at[i] for i in range(len(names)))
+
+    def __call__(self, tokens: list[tuple[int, int, bool, str]]) -> list[str]:
+        """Each of `tokens` ((id, top, chat, score record) each) shown: completions' name, figure and map between
+        UNIT separators, or chat's whole entry."""
+        text = " ".join([f"{token} {top} {int(chat)} {record or '-'}" for token, top, chat, record in tokens])
+        size = 16 + sum([(1 + top) * (self.longest + 64) for _, top, _, _ in tokens])
+        out = ctypes.create_string_buffer(size)
+        written = self.write(ctypes.byref(self.names), text.encode(), len(tokens), out, size)
+        if written < 0:
+            raise ValueError(f"score_json: {'a score record it cannot read' if written == -1 else 'no room'}")
+        return ctypes.string_at(out, written).decode().split(RECORD) if tokens else []
+
+
+def _blob(texts: list[str]) -> tuple[ctypes.Array, ctypes.Array]:
+    """Texts as one UTF-8 buffer and the offsets of each one's start (and of the end)."""
+    encoded = [text.encode() for text in texts]
+    offsets = [0]
+    for piece in encoded:
+        offsets.append(offsets[-1] + len(piece))
+    return ctypes.create_string_buffer(b"".join(encoded)), (ctypes.c_int64 * len(offsets))(*offsets)
+
+
+def score_json(names: list[str], entries: list[str]) -> ScoreJSON | None:
+    """The library's writer of `logprobs` JSON for these names, or None where the library cannot be had here."""
+    loaded = scores_library()
+    return None if loaded is None else ScoreJSON(loaded, names, entries)

@@ -26,7 +26,7 @@ from starlette.routing import Route
 from aftgen.serve import tokenizing
 from aftgen.serve.engine import Engine
 from aftgen.serve.remote import EngineProcess, EngineUnavailable
-from aftgen.serve.replies import Reply, as_json
+from aftgen.serve.replies import Reply, as_json, score_writer, shown_scores
 from aftgen.serve.schema import APIError, check_constraint, controls_body, parse_request
 from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket, merged_texts
 
@@ -52,6 +52,15 @@ def error_response(error: APIError) -> JSONResponse:
 
 def failure(event: Failed) -> APIError:
     return APIError(event.status, event.message, event.kind, code=event.code, retry_after=event.retry_after)
+
+
+class Inbox(asyncio.Queue):
+    """A request's events, as delivered; `scores`: how its tokens' scores are shown (chat's shape or not, and how
+    many alternatives a token; shown_scores), None where it asked for none."""
+
+    def __init__(self, scores: tuple[bool, int] | None):
+        super().__init__()
+        self.scores = scores
 
 
 class EventStream(StreamingResponse):
@@ -105,11 +114,14 @@ class Server:
         loop = asyncio.get_running_loop()
 
         def deliver(events: list[tuple[Ticket, Event]]) -> None:
-            for ticket, event in events:
+            for ticket, event in shown_scores(events, self.engine.tokenizer):
                 ticket.inbox.put_nowait(event)
 
         self.engine.publish = lambda events: loop.call_soon_threadsafe(deliver, events)
         self.engine.start()
+        # the scores' writer (the tokenizer's names made JSON, the rowdot library loaded) made now, not in the event
+        # loop as the first request with logprobs is delivered
+        await asyncio.to_thread(score_writer, self.engine.tokenizer)
         try:
             yield
         finally:
@@ -245,10 +257,9 @@ class Server:
         parsed = parse_request(body, chat, self.options, self.engine.tokenizer, self.model_name)
         if parsed.constraint_field is not None:  # compiling a schema can take a while: off the event loop
             await asyncio.to_thread(check_constraint, parsed, self.engine.tokenizer)
-        inbox: asyncio.Queue = asyncio.Queue()
-        ticket = self.engine.submit(parsed.work, inbox)
         scored = parsed.work.logprobs is not None
-        reply = Reply(chat, self.model_name, self.engine.tokenizer if scored else None, parsed.work.logprobs or 0)
+        ticket = self.engine.submit(parsed.work, Inbox((chat, parsed.work.logprobs) if scored else None))
+        reply = Reply(chat, self.model_name, scored)
         watcher = asyncio.create_task(self._watch(request, ticket))
         try:
             first = await self._until_started(ticket, reply, stop_early=parsed.stream)

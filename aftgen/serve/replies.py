@@ -2,89 +2,98 @@
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from aftgen import rowdot
 from aftgen.sampling import read_score
-from aftgen.serve.work import Event, Finished, Score, Started, Text
+from aftgen.serve.work import Event, Finished, Score, Started, Text, Ticket
 from aftgen.tokenizer import Tokenizer
 
 as_json = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options makes one a call
 
 
 FIGURE = "%.9g"  # a log-probability in JSON: the engine's float32 figure to 9 digits, which give it back exactly
+# A token's score as a reply writes it: where its text starts, then completions' name, figure (or null) and
+# {name: figure, ...} map (or null), or chat's whole entry, each JSON.
+Shown = tuple[int, str, str, str] | tuple[int, str]
 
 
 class ScoreWriter:
-    """OpenAI's `logprobs` JSON for one tokenizer, written by hand from its tokens' names made JSON once: a streamed
-    token with `logprobs: 5` names six, and json.dumps of the same dicts costs the HTTP side twice the time. A
-    token's alternatives are written by one `%` format (a template for each count of them), not a format a figure:
-    the HTTP side shares the machine's cores with the engine, so its time a token slows every stream."""
+    """Tokens' scores shown in OpenAI's `logprobs` JSON, for one tokenizer, from its tokens' names made JSON once: a
+    streamed token with `logprobs: 5` names six, and json.dumps of the same dicts costs the HTTP side twice the time.
+    All the tokens of a turn's events go through the rowdot library in one call (score_json.cpp) where it can be
+    had: the HTTP side shares the machine's cores with the engine, so its time a token slows every stream."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, native: bool = True):
+        """`native`: through the library where it can be had (the same JSON); else, and with False, in Python."""
         self.names = [as_json(tokenizer.token_text(token)) for token in range(tokenizer.vocab_size)]
         # chat: an entry's fields before its figure
         self.entries = [
             f'{{"token":{name},"bytes":{as_json(list(tokenizer.token_bytes(token)))},"logprob":'
             for token, name in enumerate(self.names)
         ]
-        # tokens that share their text with another (a byte-fallback piece and a whole one): completions' top_logprobs
-        # map text to figure, so of those only the likelier is named
-        counts = collections.Counter(self.names)
-        self.shared = {token for token, name in enumerate(self.names) if counts[name] > 1}
-        self.templates: dict[tuple[bool, int], str] = {}
+        self.native = rowdot.score_json(self.names, self.entries) if native else None
 
-    def _template(self, chat: bool, count: int) -> str:
-        """The `%` format of `count` alternatives, each a name (chat: an entry's start) and a figure."""
-        if (chat, count) not in self.templates:
-            one = f"%s{FIGURE}}}" if chat else f"%s:{FIGURE}"
-            self.templates[chat, count] = ",".join([one] * count) if chat else f"{{{','.join([one] * count)}}}"
-        return self.templates[chat, count]
+    def show(self, asks: list[tuple[bool, int, list[Score]]]) -> list[list[Shown]]:
+        """Each ask's scores shown (chat's shape or completions', with at most `top` alternatives a token)."""
+        if self.native is None:
+            return [[(start, *self._shown(chat, top, token, record)) for start, token, record in scores]
+                    for chat, top, scores in asks]  # fmt: skip
+        texts = iter(self.native([(token, top, chat, record) for chat, top, scores in asks
+                                  for _, token, record in scores]))  # fmt: skip
+        return [[(start, next(texts)) if chat else (start, *next(texts).split(rowdot.UNIT)) for start, _, _ in scores]
+                for chat, _, scores in asks]  # fmt: skip
 
-    def _alternatives(self, chat: bool, ids: tuple[int, ...], values: tuple[float, ...]) -> str:
-        named = self.entries if chat else self.names
-        if not chat and not self.shared.isdisjoint(ids):  # the likelier (the earlier) of each text only
-            kept = {}
-            for other, value in zip(ids, values, strict=True):
-                kept.setdefault(named[other], value)
-            pairs = [part for pair in kept.items() for part in pair]
-        else:
-            pairs = [None] * (2 * len(ids))
-            pairs[::2], pairs[1::2] = [named[other] for other in ids], values
-        return self._template(chat, len(pairs) // 2) % tuple(pairs)
+    def _shown(self, chat: bool, top: int, token: int, record: str) -> tuple[str, ...]:
+        logprob, ids, values = read_score(record, top)
+        figure = "null" if logprob is None else FIGURE % logprob
+        if chat:
+            pairs = zip(ids, values, strict=True)
+            alternatives = ",".join([f"{self.entries[other]}{FIGURE % value}}}" for other, value in pairs])
+            return (f'{self.entries[token]}{figure},"top_logprobs":[{alternatives}]}}',)
+        # of alternatives with one text (a byte-fallback piece and a whole one), the likelier
+        named: dict[str, str] = {}
+        for other, value in zip(ids, values, strict=True):
+            named.setdefault(self.names[other], f"{self.names[other]}:{FIGURE % value}")
+        return self.names[token], figure, "null" if logprob is None else f"{{{','.join(named.values())}}}"
 
-    def completions(self, scores: list[Score], top: int) -> str:
-        """Completions' parallel lists; of an alternative's tokens with one text (a byte-fallback piece and a whole
-        one), the likelier."""
-        names, tokens, figures, tops = self.names, [], [], []
-        for _, token, record in scores:
-            logprob, ids, values = read_score(record, top)
-            tokens.append(names[token])
-            figures.append("null" if logprob is None else FIGURE % logprob)
-            tops.append("null" if logprob is None else self._alternatives(False, ids, values))
-        offsets = ",".join([str(start) for start, _, _ in scores])
-        return (
-            f'{{"tokens":[{",".join(tokens)}],"token_logprobs":[{",".join(figures)}],'
-            f'"top_logprobs":[{",".join(tops)}],"text_offset":[{offsets}]}}'
-        )
 
-    def chat(self, scores: list[Score], top: int) -> str:
-        """Chat's {"content": [entry with its "top_logprobs", ...]}."""
-        content = []
-        for _, token, record in scores:
-            logprob, ids, values = read_score(record, top)
-            figure = "null" if logprob is None else FIGURE % logprob
-            content.append(f'{self.entries[token]}{figure},"top_logprobs":[{self._alternatives(True, ids, values)}]}}')
-        return f'{{"content":[{",".join(content)}]}}'
+def completions_logprobs(shown: list[Shown]) -> str:
+    """Completions' parallel lists."""
+    offsets = ",".join([str(score[0]) for score in shown])
+    return (
+        f'{{"tokens":[{",".join([score[1] for score in shown])}],'
+        f'"token_logprobs":[{",".join([score[2] for score in shown])}],'
+        f'"top_logprobs":[{",".join([score[3] for score in shown])}],"text_offset":[{offsets}]}}'
+    )
+
+
+def chat_logprobs(shown: list[Shown]) -> str:
+    """Chat's {"content": [entry with its "top_logprobs", ...]}."""
+    return f'{{"content":[{",".join([score[1] for score in shown])}]}}'
 
 
 @functools.lru_cache(maxsize=4)
 def score_writer(tokenizer: Tokenizer) -> ScoreWriter:
     return ScoreWriter(tokenizer)
+
+
+def shown_scores(events: list[tuple[Ticket, Event]], tokenizer: Tokenizer) -> list[tuple[Ticket, Event]]:
+    """The events with each Text's score records shown as its request asks (its inbox's `scores`: chat or not, and
+    how many alternatives; None: none asked), every token of them in one pass."""
+    asks = [(at, ticket.inbox.scores, event) for at, (ticket, event) in enumerate(events)
+            if isinstance(event, Text) and event.scores and getattr(ticket.inbox, "scores", None)]  # fmt: skip
+    if not asks:
+        return events
+    shown = score_writer(tokenizer).show([(chat, top, event.scores) for _, (chat, top), event in asks])
+    events = list(events)
+    for (at, _, event), scores in zip(asks, shown, strict=True):
+        events[at] = (events[at][0], Text(event.index, event.text, scores))
+    return events
 
 
 def usage(started: Started | None, completion_tokens: int) -> dict:
@@ -103,13 +112,12 @@ class Reply:
 
     chat: bool
     model: str
-    tokenizer: Tokenizer | None = None  # where the request asked for logprobs: their tokens' names
-    top: int = 0  # and how many alternatives a token it asked for
+    scored: bool = False  # the request asked for logprobs: its Text events' scores are shown (shown_scores)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     started: Started | None = None
     texts: dict[int, list[str]] = field(default_factory=dict)
-    scores: dict[int, list[Score]] = field(default_factory=dict)
+    scores: dict[int, list[Shown]] = field(default_factory=dict)
     finished: dict[int, Finished] = field(default_factory=dict)
     openings: dict[bool, str] = field(default_factory=dict)  # _opening's, streamed or not
 
@@ -147,7 +155,7 @@ class Reply:
         text: str | None = None,
         finish: str | None = None,
         first: bool = False,
-        scores: list[Score] | None = None,
+        scores: list[Shown] | None = None,
     ) -> str:
         """A stream chunk's JSON for one choice: its text (with its tokens' `scores`), its first (chat: the role)
         or its finish."""
@@ -166,15 +174,14 @@ class Reply:
             self.openings[stream] = f'{as_json(self._header(stream))[:-1]},"choices":['
         return self.openings[stream]
 
-    def _choice(self, index: int, scores: list[Score] | None, finish: str | None, body: dict) -> str:
-        """A choice's JSON: its index, its `logprobs` (ScoreWriter), its finish and `body`."""
-        logprobs = "null" if self.tokenizer is None or scores is None else self._logprobs(scores)
+    def _choice(self, index: int, scores: list[Shown] | None, finish: str | None, body: dict) -> str:
+        """A choice's JSON: its index, its `logprobs` (shown scores), its finish and `body`."""
+        logprobs = "null" if not self.scored or scores is None else self._logprobs(scores)
         return f'{{"index":{index},"logprobs":{logprobs},{as_json({"finish_reason": finish} | body)[1:]}'
 
-    def _logprobs(self, scores: list[Score]) -> str:
+    def _logprobs(self, scores: list[Shown]) -> str:
         """OpenAI's `logprobs` of a choice or chunk, as JSON."""
-        writer = score_writer(self.tokenizer)
-        return writer.chat(scores, self.top) if self.chat else writer.completions(scores, self.top)
+        return chat_logprobs(scores) if self.chat else completions_logprobs(scores)
 
     def usage_chunk(self) -> str:
         """The last chunk when the client asked for stream_options.include_usage."""

@@ -41,7 +41,9 @@ Score = tuple[int, int, str]
 class Text:
     index: int  # which choice
     text: str
-    scores: list[Score] | None = None  # with `logprobs`: the tokens whose text this text begins
+    # with `logprobs`: the tokens whose text this text begins, as the engine's Score records, then as the HTTP side
+    # shows them once delivered (aftgen.serve.replies.shown_scores)
+    scores: list | None = None
 
 
 @dataclass
