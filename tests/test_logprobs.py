@@ -18,7 +18,10 @@ from aftgen import rowdot
 from aftgen.api import load
 from aftgen.evaluate import evaluate_text
 from aftgen.sampling import NO_SCORE
+from aftgen.serve import replies
+from aftgen.serve.app import Inbox
 from aftgen.serve.replies import FIGURE, ScoreWriter, chat_logprobs, completions_logprobs
+from aftgen.serve.work import Text, Ticket
 
 HELD_OUT = make_corpus(1500, seed=48)  # text the tiny model never trained on; several prompt chunks long
 
@@ -276,3 +279,17 @@ def test_the_librarys_figures_are_pythons_nine_digits():
 
     wrong = [v for v in figures[~np.isnan(figures)].tolist() if written(v) != FIGURE % v]
     assert wrong == []
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_unreadable_record_fails_its_own_request_and_no_other(tokenizer, native, monkeypatch):
+    monkeypatch.setattr(replies, "score_writer", lambda tokenizer: ScoreWriter(tokenizer, native))
+    good = records_of(-1.0, [(5, -1.0), (9, -2.0)])
+    tickets = [Ticket(None, 0.0, Inbox(scores)) for scores in [(False, 2), (True, 2), None, (False, 2)]]
+    bad_hex, bad_token = [(0, 5, "zz" + good[2:])], [(0, 5, good), (1, 2**31, good)]
+    texts = [Text(0, "a", [(0, 5, good)]), Text(0, "b", bad_hex), Text(0, "c", None), Text(0, "d", bad_token)]
+    events = list(zip(tickets, texts, strict=True))
+    shown = replies.shown_scores(events, tokenizer)
+    assert [ticket for ticket, _ in shown] == tickets
+    assert json.loads(completions_logprobs(shown[0][1].scores))["tokens"] == [tokenizer.token_text(5)]
+    assert shown[1][1] == replies.UNREADABLE and shown[2][1] == events[2][1] and shown[3][1] == replies.UNREADABLE

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from aftgen import rowdot
 from aftgen.sampling import read_score
-from aftgen.serve.work import Event, Finished, Score, Started, Text, Ticket
+from aftgen.serve.work import Event, Failed, Finished, Score, Started, Text, Ticket
 from aftgen.tokenizer import Tokenizer
 
 as_json = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options makes one a call
@@ -84,16 +84,31 @@ def score_writer(tokenizer: Tokenizer) -> ScoreWriter:
 
 def shown_scores(events: list[tuple[Ticket, Event]], tokenizer: Tokenizer) -> list[tuple[Ticket, Event]]:
     """The events with each Text's score records shown as its request asks (its inbox's `scores`: chat or not, and
-    how many alternatives; None: none asked), every token of them in one pass."""
+    how many alternatives; None: none asked), every token of them in one pass. A record that cannot be read (an
+    engine's fault) fails its own request, not the others delivered with it."""
     asks = [(at, ticket.inbox.scores, event) for at, (ticket, event) in enumerate(events)
             if isinstance(event, Text) and event.scores and getattr(ticket.inbox, "scores", None)]  # fmt: skip
     if not asks:
         return events
-    shown = score_writer(tokenizer).show([(chat, top, event.scores) for _, (chat, top), event in asks])
-    events = list(events)
+    writer, events = score_writer(tokenizer), list(events)
+    try:
+        shown = writer.show([(chat, top, event.scores) for _, (chat, top), event in asks])
+    except Exception:  # each request alone, to find whose record it is
+        shown = [_shown_alone(writer, chat, top, event.scores) for _, (chat, top), event in asks]
     for (at, _, event), scores in zip(asks, shown, strict=True):
-        events[at] = (events[at][0], Text(event.index, event.text, scores))
+        ticket = events[at][0]
+        events[at] = (ticket, Text(event.index, event.text, scores) if scores is not None else UNREADABLE)
     return events
+
+
+UNREADABLE = Failed(500, "the generation process sent scores that cannot be read", "server_error")
+
+
+def _shown_alone(writer: ScoreWriter, chat: bool, top: int, scores: list[Score]) -> list[Shown] | None:
+    try:
+        return writer.show([(chat, top, scores)])[0]
+    except Exception:  # unreadable, whatever the reason
+        return None
 
 
 def usage(started: Started | None, completion_tokens: int) -> dict:
