@@ -87,7 +87,7 @@ def test_a_level_this_machine_cannot_run_is_refused(level):
 def test_more_alternatives_than_the_kernel_keeps_are_torchs():
     logits = logits_without_ties(2, 100, seed=3)
     tokens = torch.tensor([4, 99])
-    most = rowdot.scores_library().aftgen_top_scores_most()
+    most = rowdot.scores_library().top_scores_most
     assert rowdot.top_scores(logits, tokens, most) is not None
     assert rowdot.top_scores(logits, tokens, most + 1) is None
     records = token_scores(logits, tokens, most + 1)

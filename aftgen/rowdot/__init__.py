@@ -87,6 +87,11 @@ def library() -> ctypes.CDLL:
     loaded.aftgen_format_figure.argtypes = [ctypes.c_float, ctypes.c_char_p]
     for name in ("aftgen_top_scores_most", "aftgen_top_scores_levels"):
         getattr(loaded, name).restype, getattr(loaded, name).argtypes = ctypes.c_int, []
+    # asked once: a foreign call costs the engine a microsecond or two at every step
+    loaded.top_scores_most, loaded.top_scores_levels = (
+        loaded.aftgen_top_scores_most(),
+        loaded.aftgen_top_scores_levels(),
+    )
     return loaded
 
 
@@ -205,9 +210,9 @@ def top_scores(logits: torch.Tensor, tokens: torch.Tensor, k: int, level: int | 
             f"{logits.device}, {tokens.shape} on {tokens.device} and k={k}"
         )
     loaded = scores_library()
-    if loaded is None or k > loaded.aftgen_top_scores_most():
+    if loaded is None or k > loaded.top_scores_most:
         return None
-    levels = loaded.aftgen_top_scores_levels()
+    levels = loaded.top_scores_levels
     level = levels - 1 if level is None else level
     if not 0 <= level < levels:
         raise ValueError(f"top_scores: this machine runs levels 0 to {levels - 1} of the kernel, not {level}")
@@ -223,7 +228,7 @@ def top_scores(logits: torch.Tensor, tokens: torch.Tensor, k: int, level: int | 
 def scores_levels() -> int:
     """How many levels of top_scores's kernel this machine runs (base; x86-64-v3; v4), 0 without the library."""
     loaded = scores_library()
-    return 0 if loaded is None else loaded.aftgen_top_scores_levels()
+    return 0 if loaded is None else loaded.top_scores_levels
 
 
 class ScoreJSON:
