@@ -20,7 +20,7 @@ namespace {
 
 #define INLINE inline __attribute__((always_inline))
 
-constexpr int64_t BLOCK = 16;  // values a branch of the top-k's second pass passes over
+constexpr int64_t SUMS = 16;  // the log-sum-exp's partial sums: a vector of AVX-512's, two of AVX2's
 constexpr int MOST = 64;  // the largest k kept (OpenAI's API asks for at most 20)
 constexpr int64_t LANES = MOST;  // groups whose maxima bound the k-th value: at least k of them
 
@@ -44,22 +44,25 @@ INLINE float exp_nonpositive(float x) {
     return p * scale;
 }
 
-// log(sum exp(x - top)) over the row: in BLOCK partial sums, so the loop is elementwise and vectorises.
+// log(sum exp(x - top)) over the row: in SUMS partial sums, so the loop is elementwise and vectorises.
 INLINE float log_sum_exp_below(const float* x, int64_t vocab, float top) {
-    float sums[BLOCK] = {};
+    float sums[SUMS] = {};
     int64_t j = 0;
-    for (; j + BLOCK <= vocab; j += BLOCK)
-        for (int64_t i = 0; i < BLOCK; ++i) sums[i] += exp_nonpositive(x[j + i] - top);
+    for (; j + SUMS <= vocab; j += SUMS)
+        for (int64_t i = 0; i < SUMS; ++i) sums[i] += exp_nonpositive(x[j + i] - top);
     for (int64_t i = 0; j + i < vocab; ++i) sums[i] += exp_nonpositive(x[j + i] - top);
     double total = 0.0;
     for (float s : sums) total += s;
     return float(std::log(total));
 }
 
-// Insert (v, id) into the k best so far, high to low, after any equal ones (they have lower ids).
+// Whether (v, id) goes before (w, other): the larger value first, the lower id among equal ones.
+INLINE bool before(float v, int32_t id, float w, int32_t other) { return v > w || (v == w && id < other); }
+
+// Insert (v, id) into the k best so far, in that order (they may come in any order of ids).
 INLINE void insert(float* values, int32_t* ids, int& count, int k, float v, int32_t id) {
     int at = count < k ? count++ : k - 1;
-    while (at > 0 && v > values[at - 1]) {
+    while (at > 0 && before(v, id, values[at - 1], ids[at - 1])) {
         values[at] = values[at - 1];
         ids[at] = ids[at - 1];
         --at;
@@ -78,28 +81,22 @@ INLINE void group_maxima(const float* x, int64_t vocab, float* maxima) {
     for (int64_t i = 0; j + i < vocab; ++i) maxima[i] = x[j + i] > maxima[i] ? x[j + i] : maxima[i];
 }
 
-// Whether any of the block's n values is at least `floor`: branch-free, so the compiler vectorises it.
-INLINE bool any_reaching(const float* x, int64_t n, float floor) {
-    int reaching = 0;
-    for (int64_t i = 0; i < n; ++i) reaching |= x[i] >= floor;
-    return reaching;
-}
-
 // The row's k largest logits, high to low, given its group maxima. The k-th largest of those is at most the row's
-// k-th value (k groups hold a value at least that), so from the start only the few blocks that reach it are read
-// again, and the branches that pick them out seldom go the other way.
+// k-th value (k groups hold a value at least that), and only a group whose maximum reaches it can hold one of the
+// k: those few groups (their bits in `reaching`, found without a branch) are the only values read again, so few
+// branches go the rare way.
 INLINE void row_top(const float* x, int64_t vocab, int k, const float* maxima, float* values, int32_t* ids) {
     int count = 0;
     for (int i = 0; i < LANES; ++i)  // values, ids as scratch
         if (count < k || maxima[i] > values[k - 1]) insert(values, ids, count, k, maxima[i], i);
     const float floor = values[k - 1];
+    uint64_t reaching = 0;
+    for (int i = 0; i < LANES; ++i) reaching |= uint64_t(maxima[i] >= floor) << i;
     count = 0;
-    for (int64_t j = 0; j < vocab; j += BLOCK) {
-        const int64_t n = vocab - j < BLOCK ? vocab - j : BLOCK;
-        if (!any_reaching(x + j, n, floor)) continue;
-        for (int64_t i = 0; i < n; ++i)
-            if (x[j + i] >= floor && (count < k || x[j + i] > values[k - 1]))
-                insert(values, ids, count, k, x[j + i], int32_t(j + i));
+    for (; reaching; reaching &= reaching - 1) {
+        for (int64_t j = __builtin_ctzll(reaching); j < vocab; j += LANES)
+            if (x[j] >= floor && (count < k || before(x[j], int32_t(j), values[k - 1], ids[k - 1])))
+                insert(values, ids, count, k, x[j], int32_t(j));
     }
 }
 
