@@ -252,11 +252,25 @@ def test_the_librarys_writer_writes_what_python_writes_byte_for_byte(tokenizer):
                 else records_of(figures[0], list(zip(ids, figures[1:].tolist(), strict=True)))
             )
             scores.append((start, int(rng.integers(0, tokenizer.vocab_size)), record))
-        asks.append((bool(rng.random() < 0.5), int(rng.integers(0, held + 1)), scores))
+        asks.append((bool(rng.random() < 0.5), int(rng.integers(0, min(held + 5, 20) + 1)), scores))
     assert native.show(asks) == python.show(asks)
 
 
-@pytest.mark.parametrize("record", ["00", "zz000000" * 3, records_of(-1.0, [(10**6, -2.0)]), "0000803f 00"])
+def test_the_librarys_writer_shows_many_tokens_in_pieces_as_one(tokenizer, monkeypatch):
+    """An echo's thousands of prompt tokens go through the library a piece at a time: the pieces join as one."""
+    monkeypatch.setattr(rowdot, "SCORE_PIECE", 3)
+    record = records_of(-0.5, [(5, -0.5), (9, -1.5)])
+    asks = [
+        (chat, 2, [(start, 5 + start, record) for start in range(count)]) for chat, count in [(False, 7), (True, 5)]
+    ]
+    assert ScoreWriter(tokenizer).show(asks) == ScoreWriter(tokenizer, native=False).show(asks)
+
+
+@pytest.mark.parametrize(
+    "record",
+    ["00", "zz000000" * 3, records_of(-1.0, [(10**6, -2.0)]), records_of(-1.0, [(-3, -2.0)]), "0000803f 00",
+     "0000803f\x00"],
+)  # fmt: skip
 def test_the_librarys_writer_refuses_a_record_it_cannot_read(tokenizer, record):
     with pytest.raises(ValueError, match="cannot read"):
         ScoreWriter(tokenizer).show([(False, 1, [(0, 5, record)])])
@@ -286,7 +300,7 @@ def test_an_unreadable_record_fails_its_own_request_and_no_other(tokenizer, nati
     monkeypatch.setattr(replies, "score_writer", lambda tokenizer: ScoreWriter(tokenizer, native))
     good = records_of(-1.0, [(5, -1.0), (9, -2.0)])
     tickets = [Ticket(None, 0.0, Inbox(scores)) for scores in [(False, 2), (True, 2), None, (False, 2)]]
-    bad_hex, bad_token = [(0, 5, "zz" + good[2:])], [(0, 5, good), (1, 2**31, good)]
+    bad_hex, bad_token = [(0, 5, "zz" + good[2:])], [(0, 5, good), (1, 5, records_of(-1.0, [(-3, -2.0)]))]
     texts = [Text(0, "a", [(0, 5, good)]), Text(0, "b", bad_hex), Text(0, "c", None), Text(0, "d", bad_token)]
     events = list(zip(tickets, texts, strict=True))
     shown = replies.shown_scores(events, tokenizer)

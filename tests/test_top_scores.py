@@ -64,6 +64,22 @@ def test_among_equal_logits_the_lower_id_comes_first():
     assert torch.allclose(chosen, logits.log_softmax(-1)[[0, 1, 2], [0, 12, 39]])
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("vocab", [65, 129, 1025])
+def test_ties_across_groups_come_lower_id_first_as_a_stable_sort_puts_them(vocab, level):
+    """Past 64 logits, a group holds several ids and the groups that reach the bound are read in their order, not
+    the ids': equal logits must still come lower id first, for every k up to all of the row."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(-3, 1, (6, vocab), generator=generator).float()  # four values: ties everywhere
+    logits[0] = 0.0  # all equal
+    logits[1, [1, vocab - 1, 64]] = 5.0  # leaders in three groups, the group of the highest id read first
+    tokens = torch.zeros(6, dtype=torch.long)
+    stable = logits.sort(dim=-1, descending=True, stable=True).indices
+    for k in sorted({1, 3, 5, 20, min(vocab, 64)}):
+        ids = rowdot.top_scores(logits, tokens, k, level)[:, 1 + k :]
+        assert torch.equal(ids, stable[:, :k].int()), k
+
+
 @pytest.mark.parametrize("token", [40, -1, 2**40])
 def test_a_token_out_of_range_is_refused_not_read(token):
     with pytest.raises(ValueError, match="a token is out of range"):

@@ -51,6 +51,7 @@ class RowdotUnavailable(AftgenError):
 
 
 UNIT, RECORD = "\x1f", "\x1e"  # score_json.cpp's separators: JSON escapes both inside its strings
+SCORE_PIECE = 1024  # tokens ScoreJSON shows in one call
 
 
 class _Names(ctypes.Structure):
@@ -81,8 +82,8 @@ def library() -> ctypes.CDLL:
     holding = ctypes.PyDLL(loaded._name, handle=loaded._handle)
     loaded.aftgen_score_json, loaded.aftgen_format_figure = holding.aftgen_score_json, holding.aftgen_format_figure
     loaded.aftgen_score_json.restype = ctypes.c_int64
-    loaded.aftgen_score_json.argtypes = [ctypes.POINTER(_Names), ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p,
-                                         ctypes.c_int64]  # fmt: skip
+    loaded.aftgen_score_json.argtypes = [ctypes.POINTER(_Names), ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64,
+                                         ctypes.c_char_p, ctypes.c_int64]  # fmt: skip
     loaded.aftgen_format_figure.restype = ctypes.c_int
     loaded.aftgen_format_figure.argtypes = [ctypes.c_float, ctypes.c_char_p]
     for name in ("aftgen_top_scores_most", "aftgen_top_scores_levels"):
@@ -243,15 +244,26 @@ class ScoreJSON:
         as_pointer = functools.partial(ctypes.cast, typ=ctypes.c_char_p)
         self.names = _Names(as_pointer(text), at, as_pointer(entry_text), entry_at, firsts, len(names))
         self.write = loaded.aftgen_score_json
-        self.longest = max(at[i + 1] - at[i] + entry_at[i + 1] - entry_at[i] for i in range(len(names)))
+        # the most a name (completions) or an entry's start (chat) takes, and what a token or an alternative adds to
+        # it at most: a figure (15), separators and chat's `,"top_logprobs":[`
+        self.longest = {False: max(at[i + 1] - at[i] for i in range(len(names))) + 24,
+                        True: max(entry_at[i + 1] - entry_at[i] for i in range(len(names))) + 40}  # fmt: skip
 
     def __call__(self, tokens: list[tuple[int, int, bool, str]]) -> list[str]:
         """Each of `tokens` ((id, top, chat, score record) each) shown: completions' name, figure and map between
-        UNIT separators, or chat's whole entry."""
-        text = " ".join([f"{token} {top} {int(chat)} {record or '-'}" for token, top, chat, record in tokens])
-        size = 16 + sum([(1 + top) * (self.longest + 64) for _, top, _, _ in tokens])
+        UNIT separators, or chat's whole entry. A call a SCORE_PIECE tokens: an echo's thousands of prompt tokens do
+        not hold the GIL, nor a buffer sized for all of them, at once."""
+        return [
+            shown for at in range(0, len(tokens), SCORE_PIECE) for shown in self._piece(tokens[at : at + SCORE_PIECE])
+        ]
+
+    def _piece(self, tokens: list[tuple[int, int, bool, str]]) -> list[str]:
+        text = " ".join([f"{token} {top} {int(chat)} {record or '-'}" for token, top, chat, record in tokens]).encode()
+        # a token and its alternatives (at most top, and at most what its record holds), each at most `longest`
+        size = sum([(1 + min(top, max(0, len(record) // 8 - 1) // 2)) * self.longest[chat]
+                    for _, top, chat, record in tokens])  # fmt: skip
         out = ctypes.create_string_buffer(size)
-        written = self.write(ctypes.byref(self.names), text.encode(), len(tokens), out, size)
+        written = self.write(ctypes.byref(self.names), text, len(text), len(tokens), out, size)
         if written < 0:
             raise ValueError(f"score_json: {'a score record it cannot read' if written == -1 else 'no room'}")
         return ctypes.string_at(out, written).decode().split(RECORD) if tokens else []

@@ -13,7 +13,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 
 namespace {
@@ -148,6 +147,7 @@ struct Out {
 int hex_digit(char c) {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;  // as Python's bytes.fromhex reads them
     return -1;
 }
 
@@ -162,24 +162,26 @@ bool word(const char* hex, uint32_t& value) {
     return true;
 }
 
-// A non-negative number from `text` and the space after it, moved past both; false where there is none.
-bool field(const char*& text, int64_t& value) {
-    char* after;
-    value = std::strtoll(text, &after, 10);
-    if (after == text || *after != ' ' || value < 0) return false;
-    text = after + 1;
+// A number of at most 18 decimal digits from `text` and the space after it (before `limit`), moved past both;
+// false where there is none.
+bool field(const char*& text, const char* limit, int64_t& value) {
+    const char* at = text;
+    value = 0;
+    for (; at < limit && at - text < 18 && *at >= '0' && *at <= '9'; ++at) value = value * 10 + (*at - '0');
+    if (at == text || at == limit || *at != ' ') return false;
+    text = at + 1;
     return true;
 }
 
-// One "token top chat record" from `text`, moved past it; false where it is malformed or names a token outside
-// the vocabulary.
-bool read_score(const char*& text, int64_t vocab, Score& score) {
+// One "token top chat record" from `text` (before `limit`), moved past it; false where it is malformed or names a
+// token outside the vocabulary.
+bool read_score(const char*& text, const char* limit, int64_t vocab, Score& score) {
     int64_t top, chat;
-    if (!field(text, score.token) || !field(text, top) || !field(text, chat)) return false;
+    if (!field(text, limit, score.token) || !field(text, limit, top) || !field(text, limit, chat)) return false;
     if (score.token >= vocab || top > MOST || chat > 1) return false;
     score.chat = chat == 1;
     const char* end = text;
-    while (*end && *end != ' ') ++end;
+    while (end < limit && *end != ' ') ++end;
     const int64_t words = (end - text) / 8;
     score.scored = !(end - text == 1 && *text == '-');
     score.count = 0;
@@ -198,7 +200,7 @@ bool read_score(const char*& text, int64_t vocab, Score& score) {
             score.ids[i] = int32_t(bits);
         }
     }
-    text = *end ? end + 1 : end;
+    text = end < limit ? end + 1 : end;
     return true;
 }
 
@@ -253,20 +255,23 @@ extern "C" {
 // format_figure, for tests: `v` as "%.9g" writes it into out (32 bytes), returning the length.
 int aftgen_format_figure(float v, char* out) { return format_figure(v, out); }
 
-// Writes the shown form of `count` tokens' scores (see the top) into out[0 .. size). Returns its length, or -1
-// where `tokens` is malformed or names a token outside the vocabulary, -2 where `size` is too small.
-int64_t aftgen_score_json(const Names* names, const char* tokens, int64_t count, char* out, int64_t size) {
+// Writes the shown form of `count` tokens' scores (`tokens`: `length` bytes, see the top) into out[0 .. size).
+// Returns its length, or -1 where `tokens` is malformed or names a token outside the vocabulary, -2 where `size` is
+// too small.
+int64_t aftgen_score_json(const Names* names, const char* tokens, int64_t length, int64_t count, char* out,
+                          int64_t size) {
     const char* text = tokens;
+    const char* const limit = tokens + length;
     Out written{out, out + size};
     const char record[1] = {RECORD};
     Score score;
     for (int64_t i = 0; i < count; ++i) {
-        if (!read_score(text, names->vocab, score)) return -1;
+        if (!read_score(text, limit, names->vocab, score)) return -1;
         const bool fits = (i == 0 || written.put(record, 1)) &&
                           (score.chat ? chat_entry(written, *names, score) : completions_parts(written, *names, score));
         if (!fits) return -2;
     }
-    return *text == '\0' ? written.at - out : -1;
+    return text == limit ? written.at - out : -1;
 }
 
 }  // extern "C"

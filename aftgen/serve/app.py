@@ -26,7 +26,7 @@ from starlette.routing import Route
 from aftgen.serve import tokenizing
 from aftgen.serve.engine import Engine
 from aftgen.serve.remote import EngineProcess, EngineUnavailable
-from aftgen.serve.replies import Reply, as_json, score_writer, shown_scores
+from aftgen.serve.replies import UNREADABLE, Reply, as_json, score_writer, shown_scores
 from aftgen.serve.schema import APIError, check_constraint, controls_body, parse_request
 from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket, merged_texts
 
@@ -115,6 +115,8 @@ class Server:
 
         def deliver(events: list[tuple[Ticket, Event]]) -> None:
             for ticket, event in shown_scores(events, self.engine.tokenizer):
+                if event is UNREADABLE:
+                    self.engine.cancel(ticket)
                 ticket.inbox.put_nowait(event)
 
         self.engine.publish = lambda events: loop.call_soon_threadsafe(deliver, events)

@@ -50,6 +50,8 @@ class ScoreWriter:
 
     def _shown(self, chat: bool, top: int, token: int, record: str) -> tuple[str, ...]:
         logprob, ids, values = read_score(record, top)
+        if not all(0 <= other < len(self.names) for other in (token, *ids)):  # as the library refuses them
+            raise ValueError(f"a score record names a token outside the vocabulary of {len(self.names)}")
         figure = "null" if logprob is None else FIGURE % logprob
         if chat:
             pairs = zip(ids, values, strict=True)
@@ -90,23 +92,24 @@ def shown_scores(events: list[tuple[Ticket, Event]], tokenizer: Tokenizer) -> li
             if isinstance(event, Text) and event.scores and getattr(ticket.inbox, "scores", None)]  # fmt: skip
     if not asks:
         return events
-    writer, events = score_writer(tokenizer), list(events)
+    events, wanted = list(events), [(chat, top, event.scores) for _, (chat, top), event in asks]
     try:
-        shown = writer.show([(chat, top, event.scores) for _, (chat, top), event in asks])
+        shown = score_writer(tokenizer).show(wanted)
     except Exception:  # each request alone, to find whose record it is
-        shown = [_shown_alone(writer, chat, top, event.scores) for _, (chat, top), event in asks]
+        shown = [_shown_alone(tokenizer, *ask) for ask in wanted]
     for (at, _, event), scores in zip(asks, shown, strict=True):
         ticket = events[at][0]
         events[at] = (ticket, Text(event.index, event.text, scores) if scores is not None else UNREADABLE)
     return events
 
 
+# what a request whose scores cannot be shown gets instead (the HTTP side cancels it: the engine goes on otherwise)
 UNREADABLE = Failed(500, "the generation process sent scores that cannot be read", "server_error")
 
 
-def _shown_alone(writer: ScoreWriter, chat: bool, top: int, scores: list[Score]) -> list[Shown] | None:
+def _shown_alone(tokenizer: Tokenizer, chat: bool, top: int, scores: list[Score]) -> list[Shown] | None:
     try:
-        return writer.show([(chat, top, scores)])[0]
+        return score_writer(tokenizer).show([(chat, top, scores)])[0]
     except Exception:  # unreadable, whatever the reason
         return None
 
