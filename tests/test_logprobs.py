@@ -7,19 +7,23 @@ import ctypes
 import json
 import math
 import struct
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from conftest import DEVICE, make_corpus
-from test_serve import assert_openai_error, client, post, running
+from test_serve import assert_openai_error, client, post, running, server_options, serving
 
 from aftgen import rowdot
 from aftgen.api import load
+from aftgen.device import resolve
 from aftgen.evaluate import evaluate_text
 from aftgen.sampling import NO_SCORE
+from aftgen.serve import engine as engine_module
 from aftgen.serve import replies
 from aftgen.serve.app import Inbox
+from aftgen.serve.engine import Engine
 from aftgen.serve.replies import FIGURE, ScoreWriter, chat_logprobs, completions_logprobs
 from aftgen.serve.work import Text, Ticket
 
@@ -307,3 +311,20 @@ def test_an_unreadable_record_fails_its_own_request_and_no_other(tokenizer, nati
     assert [ticket for ticket, _ in shown] == tickets
     assert json.loads(completions_logprobs(shown[0][1].scores))["tokens"] == [tokenizer.token_text(5)]
     assert shown[1][1] == replies.UNREADABLE and shown[2][1] == events[2][1] and shown[3][1] == replies.UNREADABLE
+
+
+def test_a_request_whose_scores_cannot_be_read_gets_a_500_and_stops_generating(tiny_run, monkeypatch):
+    """The engine's records damaged on their way (an engine's fault): the request fails alone, and its row leaves
+    the batch at once rather than run on to max_tokens with nobody reading."""
+    made = engine_module.token_scores
+    monkeypatch.setattr(engine_module, "token_scores", lambda *args: [(t, "zz" + r[2:]) for t, r in made(*args)])
+    options = server_options(tiny_run, max_tokens=1 << 20)
+    engine = Engine(*load(tiny_run, DEVICE), options, resolve(DEVICE, "fp32"))
+    with serving(options, engine) as url:
+        response = post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 1 << 20, "logprobs": 2})
+        assert response.status_code == 500 and "cannot be read" in response.json()["error"]["message"]
+        deadline = time.monotonic() + 10
+        while engine.occupied() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.occupied() == 0
+        assert post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 3}).status_code == 200
