@@ -73,10 +73,8 @@ def library() -> ctypes.CDLL:
     loaded.aftgen_rowdot_kernel.restype = ctypes.c_char_p
     loaded.aftgen_rowdot_kernel.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     loaded.aftgen_top_scores.restype = ctypes.c_int
-    loaded.aftgen_top_scores.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                                         ctypes.c_void_p]  # fmt: skip
-    loaded.aftgen_top_scores_at.restype = ctypes.c_int
-    loaded.aftgen_top_scores_at.argtypes = [ctypes.c_int, *loaded.aftgen_top_scores.argtypes]
+    loaded.aftgen_top_scores.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                         ctypes.c_int, ctypes.c_void_p]  # fmt: skip
     # The HTTP side's calls, a microsecond or two each, keep the GIL (PyDLL's functions): CDLL's let it go for the
     # call, and on a busy server taking it back waited on the server's other threads longer than the call took.
     holding = ctypes.PyDLL(loaded._name, handle=loaded._handle)
@@ -219,8 +217,8 @@ def top_scores(logits: torch.Tensor, tokens: torch.Tensor, k: int, level: int | 
         raise ValueError(f"top_scores: this machine runs levels 0 to {levels - 1} of the kernel, not {level}")
     logits, tokens = logits.float().contiguous(), tokens.long().contiguous()
     packed = torch.empty(logits.shape[0], 1 + 2 * k, dtype=torch.int32)
-    failed = loaded.aftgen_top_scores_at(level, logits.data_ptr(), logits.shape[0], logits.shape[1],
-                                         tokens.data_ptr(), k, packed.data_ptr())  # fmt: skip
+    failed = loaded.aftgen_top_scores(level, logits.data_ptr(), logits.shape[0], logits.shape[1], tokens.data_ptr(),
+                                      k, packed.data_ptr())  # fmt: skip
     if failed:
         raise ValueError(f"top_scores: a token is out of range for a vocabulary of {logits.shape[1]}")
     return packed

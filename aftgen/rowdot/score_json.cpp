@@ -30,16 +30,9 @@ struct Names {
     int64_t vocab;
 };
 
-// The decimal digits of `q`, into `out`: returns how many.
-int digits(uint64_t q, char* out) {
-    char reversed[20];
-    int n = 0;
-    do {
-        reversed[n++] = char('0' + q % 10);
-        q /= 10;
-    } while (q);
-    for (int i = 0; i < n; ++i) out[i] = reversed[n - 1 - i];
-    return n;
+// The nine decimal digits of q (10^8 <= q < 10^9), into `out`.
+void write_nine_digits(uint64_t q, char* out) {
+    for (int i = 8; i >= 0; --i, q /= 10) out[i] = char('0' + q % 10);
 }
 
 // |v| rounded to 9 significant digits, half to even, as q (10^8 <= q < 10^9) and the decimal exponent x of its
@@ -85,7 +78,7 @@ int format_figure(float v, char* out) {
     int x;
     if (v == 0 || !nine_digits(v, q, x)) return std::snprintf(out, 32, "%.9g", double(v));
     char digit[9];
-    digits(q, digit);
+    write_nine_digits(q, digit);
     int length = 9;
     while (length > 1 && digit[length - 1] == '0') --length;  // %g drops trailing zeros
     int n = 0;
@@ -137,11 +130,7 @@ struct Out {
         const int n = format_figure(v, text);
         return n > 0 && put(text, size_t(n));
     }
-    bool number(int64_t v) {
-        char text[24];
-        const int n = std::snprintf(text, sizeof text, "%lld", static_cast<long long>(v));
-        return n > 0 && put(text, size_t(n));
-    }
+    bool logprob(const Score& score) { return score.scored ? figure(score.logprob) : put("null"); }
 };
 
 int hex_digit(char c) {
@@ -232,15 +221,13 @@ constexpr char UNIT = '\x1f', RECORD = '\x1e';  // JSON escapes both inside its 
 // completions' name, figure and map, UNIT between them.
 bool completions_parts(Out& out, const Names& names, const Score& score) {
     const char unit[1] = {UNIT};
-    return name(out, names, score.token) && out.put(unit, 1) &&
-           (score.scored ? out.figure(score.logprob) : out.put("null")) && out.put(unit, 1) &&
+    return name(out, names, score.token) && out.put(unit, 1) && out.logprob(score) && out.put(unit, 1) &&
            (score.scored ? alternatives_map(out, names, score) : out.put("null"));
 }
 
 // chat's entry: {"token":...,"bytes":[...],"logprob":figure,"top_logprobs":[entry, ...]}
 bool chat_entry(Out& out, const Names& names, const Score& score) {
-    if (!entry(out, names, score.token) || !(score.scored ? out.figure(score.logprob) : out.put("null")) ||
-        !out.put(",\"top_logprobs\":["))
+    if (!entry(out, names, score.token) || !out.logprob(score) || !out.put(",\"top_logprobs\":["))
         return false;
     for (int j = 0; j < score.count; ++j)
         if ((j && !out.put(",")) || !entry(out, names, score.ids[j]) || !out.figure(score.values[j]) || !out.put("}"))

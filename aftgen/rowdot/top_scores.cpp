@@ -174,21 +174,16 @@ extern "C" {
 // The largest k aftgen_top_scores keeps.
 int aftgen_top_scores_most() { return MOST; }
 
-// How many levels of the kernel this machine runs (aftgen_top_scores_at's levels 0 .. this - 1).
+// How many levels of the kernel this machine runs (aftgen_top_scores's levels 0 .. this - 1).
 int aftgen_top_scores_levels() { return LEVELS; }
 
-// aftgen_top_scores through one level of the kernel (0: base; the highest this machine runs is what
-// aftgen_top_scores uses), for tests; -1 also for a level this machine cannot run.
-int aftgen_top_scores_at(int level, const float* logits, int64_t rows, int64_t vocab, const int64_t* tokens, int k,
-                         int32_t* out) {
+// Each row's record through one level of the kernel (0: base; the server runs the highest this machine runs, tests
+// each). Returns 0, or -1 where the level is one this machine cannot run, k is out of range (0..min(vocab, MOST)),
+// the vocabulary is empty, or a token id is outside the vocabulary (the rows before it written, the rest not).
+int aftgen_top_scores(int level, const float* logits, int64_t rows, int64_t vocab, const int64_t* tokens, int k,
+                      int32_t* out) {
     if (level < 0 || level >= LEVELS || k < 0 || k > MOST || k > vocab || vocab < 1) return -1;
     return at_level(level)(logits, rows, vocab, tokens, k, out);
-}
-
-// Returns 0, or -1 where k is out of range (0..min(vocab, MOST)), the vocabulary is empty, or a token id is outside
-// the vocabulary (the rows before it written, the rest not).
-int aftgen_top_scores(const float* logits, int64_t rows, int64_t vocab, const int64_t* tokens, int k, int32_t* out) {
-    return aftgen_top_scores_at(LEVELS - 1, logits, rows, vocab, tokens, k, out);
 }
 
 }  // extern "C"
