@@ -54,6 +54,14 @@ def pytest_configure(config):
             raise pytest.UsageError(f"AFTGEN_TEST_DEVICE={DEVICE}: {exc}") from None
 
 
+def no_compiler(note: str) -> None:
+    """A test that needs the C++ compiler, where the step fell back to eager: skipped on a developer's machine
+    without one, failed where AFTGEN_REQUIRE_COMPILER is set (.ci/run sets it, as it does for the browser)."""
+    if os.environ.get("AFTGEN_REQUIRE_COMPILER"):
+        pytest.fail(f"a C++ compiler is required here (AFTGEN_REQUIRE_COMPILER) but the step is {note}")
+    pytest.skip(f"no compiler here: {note}")
+
+
 def on_device(value):
     """A tensor or module moved to the device under test."""
     return value.to(DEVICE)

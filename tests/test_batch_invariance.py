@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, no_compiler
 from test_serve import LONG, Stream, busy_slots, client, running
 from typer.testing import CliRunner
 
@@ -46,7 +46,7 @@ def compiled(tmp_path_factory) -> Iterator[dict]:
             model = small_model(dtype)
             step, note = compile_step(model, max(ROWS), batch_invariant=True)
             if note.startswith("eager"):
-                pytest.skip(f"no compiler here: {note}")
+                no_compiler(note)
             steps[name] = model, step
         yield steps
 

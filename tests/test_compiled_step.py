@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import on_device
+from conftest import no_compiler, on_device
 
 import aftgen.model
 from aftgen.compiled_cache import library_of
@@ -38,7 +38,7 @@ def compiled():
     model = tiny_model()
     step, note = compile_step(model, MAX_BATCH)
     if note.startswith("eager"):
-        pytest.skip(f"no compiler here: {note}")
+        no_compiler(note)
     return model, step
 
 
@@ -106,7 +106,7 @@ def test_bf16_weights_step_through_their_own_one_row_package_with_the_eager_logi
     model = tiny_model().lower_weights(torch.bfloat16)
     step, note = compile_step(model, 4)
     if note.startswith("eager"):
-        pytest.skip(f"no compiler here: {note}")
+        no_compiler(note)
     assert step.one_row is not step.rows
     eager = model.step
     monkeypatch.setattr(model, "step", no_eager_fallback)
