@@ -108,9 +108,13 @@ def test_passes_count_the_steps_the_user_sized():
     assert chosen.passes == pytest.approx(3000 * quarter / SHAKESPEARE, rel=0.01)
 
 
-def test_a_named_preset_is_kept():
-    chosen = choose(SHAKESPEARE, 1024, max_time=None, max_steps=None, speed=speeds(CPU), presets=("small",))
-    assert chosen.preset == "small"
+@pytest.mark.parametrize("named", ["small", "large"])
+def test_a_named_preset_is_kept_where_the_recipe_would_choose_another(named):
+    """--preset passes one preset: the recipe keeps it, smaller or far slower than what it would choose."""
+    free = choose(BOOKS, 1024, max_time=7200, max_steps=None, speed=speeds(CPU))
+    assert free.preset == "medium"  # the premise: left alone, the recipe chooses neither
+    kept = choose(BOOKS, 1024, max_time=7200, max_steps=None, speed=speeds(CPU), presets=(named,))
+    assert kept.preset == named
 
 
 def test_checks_are_spread_over_the_budget():
