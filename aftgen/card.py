@@ -8,6 +8,16 @@ from aftgen.curves import CURVES
 from aftgen.model import AFTConfig
 from aftgen.record import read_run_files
 
+# What a transformers user writes (aftgen.hf: the files that make it work).
+TRANSFORMERS_USE = [
+    "```python",
+    "from transformers import AutoModelForCausalLM, AutoTokenizer",
+    'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_HUB_ID", trust_remote_code=True)',
+    'model = AutoModelForCausalLM.from_pretrained("PATH_OR_HUB_ID", trust_remote_code=True)',
+    "```",
+    "",
+]
+
 
 def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str = "", curves: bool = False) -> str:
     """A Hub-style README.md for a run; `curves`: the folder holds curves.png, shown under the table."""
@@ -50,6 +60,8 @@ def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str =
         lines += ["", f"![Training curves: loss, held-out nats/char and learning rate]({CURVES})"]
     lines += ["", "Trained with:", "", "```", info.get("command", "aftgen train ..."), "```", ""]
     lines += ["Use it:", "", "```", 'aftgen sample --model PATH_OR_HUB_ID --prompt "..."', "```", ""]
+    lines += ["or in Hugging Face transformers (its files are beside the weights; no aftgen needed):", ""]
+    lines += TRANSFORMERS_USE
     if sample:
         lines += ["A sample:", "", "```", sample, "```", ""]
     return "\n".join(lines)

@@ -4,6 +4,7 @@
     model.safetensors            weights in fp32, fp16 or bf16 (verified against the config: names, shapes)
     tokenizer.model              SentencePiece model
     README.md                    model card
+    *_aftgen.py                  what Hugging Face transformers imports to load the same files (aftgen.hf)
 
 A training run's folder adds its own files beside them (aftgen/record.py, aftgen/training/state_file.py).
 """
@@ -23,6 +24,7 @@ from safetensors.torch import save as save_safetensors
 
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_write, open_regular, read_bytes, read_json
+from aftgen.hf import TRANSFORMERS_KEYS, transformers_keys, write_files
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.tokenizer import Tokenizer
 
@@ -54,8 +56,14 @@ def save_checkpoint(
     atomic_write(directory / TOKENIZER, tokenizer.model_proto)
     if card is not None:
         atomic_write(directory / CARD, card)
-    config = {"model_type": MODEL_TYPE, "format_version": FORMAT_VERSION, **model.config.to_dict()}
-    atomic_write(directory / CONFIG, json.dumps(config, indent=2) + "\n")
+    write_files(directory)
+    atomic_write(directory / CONFIG, config_json(model.config, tokenizer))
+
+
+def config_json(config: AFTConfig, tokenizer: Tokenizer) -> str:
+    """config.json's text: the architecture, and what transformers needs to load the folder (aftgen.hf)."""
+    data = {"model_type": MODEL_TYPE, "format_version": FORMAT_VERSION, **config.to_dict()}
+    return json.dumps(data | transformers_keys(tokenizer.bos_id), indent=2) + "\n"
 
 
 def is_checkpoint(directory: Path | str) -> bool:
@@ -68,7 +76,7 @@ def read_config(directory: Path | str) -> AFTConfig:
     data = read_json(path, CONFIG_LIMIT, "the model's config")
     if not isinstance(data, dict):
         raise AftgenError(f"{path}: must hold a JSON object")
-    data = dict(data)
+    data = {key: value for key, value in data.items() if key not in TRANSFORMERS_KEYS}
     model_type = data.pop("model_type", None)
     if model_type != MODEL_TYPE:
         raise AftgenError(f"{path}: model_type is {model_type!r}, not 'aftgen'; this is not an aftgen checkpoint")

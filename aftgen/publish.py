@@ -8,10 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from aftgen.card import run_card
-from aftgen.checkpoint import CARD, CARD_LIMIT, CHECKPOINT_FILES, load_checkpoint
+from aftgen.checkpoint import CARD, CARD_LIMIT, CONFIG, TOKENIZER, WEIGHTS, config_json, load_checkpoint
 from aftgen.curves import CURVES, CURVES_LIMIT
 from aftgen.errors import AftgenError
 from aftgen.files import read_bytes, read_text
+from aftgen.hf import files as transformers_files
 from aftgen.hub import hub_errors
 from aftgen.model import AFTLM
 from aftgen.record import INFO_LIMIT, METRICS, METRICS_LIMIT, TRAINING_INFO, TRAINING_STATE
@@ -53,9 +54,12 @@ def push(
         limits |= {TRAINING_STATE: largest_training_state(model, model), TRAINING_INFO: INFO_LIMIT}
     # The checkpoint's files were checked as they loaded; the run's others are published as read here, never
     # through a link: aftgen makes none, and one in a folder from elsewhere may point at any file of the user's.
+    # config.json and transformers' files are written afresh, so a folder saved before aftgen wrote them gains them.
     operations = [
-        CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(run_dir / name)) for name in CHECKPOINT_FILES
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(run_dir / name)) for name in (WEIGHTS, TOKENIZER)
     ]
+    generated = {CONFIG: config_json(model.config, tokenizer).encode(), **transformers_files()}
+    operations += [CommitOperationAdd(path_in_repo=name, path_or_fileobj=data) for name, data in generated.items()]
     operations += [
         CommitOperationAdd(
             path_in_repo=name, path_or_fileobj=read_bytes(run_dir / name, limit, "the file to publish", follow=False)
