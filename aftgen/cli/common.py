@@ -20,7 +20,7 @@ from aftgen.corpus import CorpusOptions
 from aftgen.corpus.sources import DECODE_ERRORS
 from aftgen.device import DEVICE_HELP, DTYPE_HELP
 from aftgen.errors import AftgenError
-from aftgen.files import kind_of
+from aftgen.files import check_output, kind_of
 from aftgen.hub import MODEL_HELP
 from aftgen.options import DATA_PANEL, HARDWARE_PANEL, declared
 
@@ -215,6 +215,13 @@ def require_file(path: Path | None, what: str) -> None:
         if not path.exists():
             raise AftgenError(f"{path}: no such {what}")
         raise AftgenError(f"{path} is {kind_of(path.stat().st_mode)}, not a file: give the path of a {what}")
+
+
+def check_destination(path: Path | None) -> None:
+    """Refuse an output file's path that is a folder, FIFO or device before any work, not when the work is done and
+    its result is to be written there."""
+    if path is not None:
+        check_output(path)
 
 
 def keep_undecodable_stdin() -> None:

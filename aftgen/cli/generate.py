@@ -17,6 +17,7 @@ from aftgen.cli.common import (
     SAMPLE_PANEL,
     STATE_PANEL,
     ModelOption,
+    check_destination,
     command,
     keep_undecodable_stdin,
     placement,
@@ -184,6 +185,7 @@ def sample(
     if save_state is not None and num_samples > 1:
         raise AftgenError("--save-state keeps one continuation; use it with --num-samples 1")
     require_file(load_state, "state file")
+    check_destination(save_state)
     prompt = _prompt_text(prompt, prompt_file)
     where = placement(shared, generating=True)
     lm, tokenizer, context, step = _load_for_generation(
@@ -239,6 +241,7 @@ def prime(
     from aftgen.state import save_state as write_state
 
     check_seed(seed)
+    check_destination(out)
     text = read_text(text_file, encoding, errors)
     where = placement(hardware, generating=True)
     lm, tokenizer, _, _ = _load_for_generation(model, None, False, False, where)
@@ -278,6 +281,7 @@ def chat(
 
     options = _sampling_options(shared, stop or [REPLY_END])
     require_file(load_state, "state file")
+    check_destination(save_state)
     keep_undecodable_stdin()
     where = placement(shared, generating=True)
     lm, tokenizer, context, step = _load_for_generation(
