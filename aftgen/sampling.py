@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from aftgen import cores, rowdot
 from aftgen.constraints import Constraint, Matcher, masked
+from aftgen.corpus.encode import chunks
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, ModelState, PrefillFunction, StepFunction, clone_state
 from aftgen.options import Range, flag
@@ -31,6 +32,11 @@ GREEDY_BELOW = 1e-4
 # prompts being read, after a prefix cache's hit, and in `aftgen sample`. 256: a server's pause between two steps
 # while it reads (the pieces are its turns' reading), and long texts still go in constant memory.
 PROMPT_CHUNK = 256
+# A prompt's text is encoded this many characters at a time, cut before a space that follows a non-space, where no
+# token straddles the cut (aftgen.corpus.encode.chunks), so that a text of any length is read in constant memory
+# into the context its whole text gives. Only a run of more than half this many characters without such a space is
+# cut where it must be; its ids may then differ from the whole text's, though they still decode to it.
+TEXT_CHUNK = 1 << 20
 
 
 SEEDS = Range(0, (1 << 63) - 1)  # a seed torch.Generator.manual_seed takes as it is given
@@ -481,13 +487,26 @@ def opening(tokenizer: Tokenizer, ids: list[int], context: Context | None) -> li
 def read_prompt(
     model: AFTLM,
     tokenizer: Tokenizer,
-    prompt: str,
+    prompt: str | Iterable[str],
     context: Context | None = None,
     seed: int | None = None,
     prefill: PrefillFunction | None = None,
 ) -> Context:
-    """Read text into a context (a fresh one, with BOS, if None): see PromptReader."""
-    reader = PromptReader(model, opening(tokenizer, tokenizer.encode(prompt), context), context, seed, prefill)
+    """Read text into a context (a fresh one, with BOS, if None): see PromptReader. `prompt`: the text, or its blocks
+    in order (a file's, as read), encoded TEXT_CHUNK characters at a time and read a whole number of pieces at a time,
+    so that neither its text nor its ids are ever held whole."""
+    ids = opening(tokenizer, [], context)
+    for text in chunks([prompt] if isinstance(prompt, str) else prompt, TEXT_CHUNK):
+        ids += tokenizer.encode(text)
+        if whole := len(ids) - len(ids) % PROMPT_CHUNK:  # the pieces fall where they would in the whole prompt
+            context, seed, ids = _read_ids(model, ids[:whole], context, seed, prefill), None, ids[whole:]
+    return _read_ids(model, ids, context, seed, prefill)
+
+
+def _read_ids(
+    model: AFTLM, ids: list[int], context: Context | None, seed: int | None, prefill: PrefillFunction | None
+) -> Context:
+    reader = PromptReader(model, ids, context, seed, prefill)
     reader.read()
     return reader.finish()
 

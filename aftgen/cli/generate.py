@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -150,16 +151,20 @@ def _load_for_generation(
     return lm, tokenizer, context, step
 
 
-def _prompt_text(prompt: str, prompt_file: Path | None) -> str:
-    """--prompt, --prompt - (stdin) or --prompt-file, refused in one line unless UTF-8 text."""
+def _prompt_blocks(prompt: str, prompt_file: Path | None) -> Callable[[], Iterable[str]]:
+    """--prompt, --prompt - (stdin) or --prompt-file, refused in one line unless UTF-8 text: a function giving its
+    text block by block each time it is called (a file is read again each time, never held whole)."""
     if prompt_file is not None:
-        from aftgen.corpus import read_text
+        from aftgen.corpus.sources import read_document, scan_file
 
-        return read_text(prompt_file)
+        document = scan_file(prompt_file)  # checked as text once, before the model loads
+        return lambda: read_document(document)
     if prompt == "-":
         keep_undecodable_stdin()
-        return valid_text(sys.stdin.read(), "stdin")
-    return valid_text(prompt, "--prompt")
+        text = valid_text(sys.stdin.read(), "stdin")
+    else:
+        text = valid_text(prompt, "--prompt")
+    return lambda: [text]
 
 
 @with_options(generation_options)
@@ -186,27 +191,27 @@ def sample(
         raise AftgenError("--save-state keeps one continuation; use it with --num-samples 1")
     require_file(load_state, "state file")
     check_destination(save_state)
-    prompt = _prompt_text(prompt, prompt_file)
+    prompt_blocks = _prompt_blocks(prompt, prompt_file)
     where = placement(shared, generating=True)
     lm, tokenizer, context, step = _load_for_generation(
         model, load_state, compile_step, batch_invariant, where, options.constraint
     )
     with where.autocast():
-        context = read_prompt(lm, tokenizer, prompt, context, options.seed)
+        context = read_prompt(lm, tokenizer, prompt_blocks(), context, options.seed)
         # A run that will be continued keeps an unfinished last character for the next one.
         runs = sample_text(lm, tokenizer, context, options, step, final=save_state is None)
-        _write_samples(runs, prompt if echo else "", save_state is None)
+        _write_samples(runs, prompt_blocks if echo else lambda: (), save_state is None)
     if save_state is not None:
         write_state(save_state, context, lm, tokenizer)
         print(f"state saved to {save_state}", file=sys.stderr)
 
 
-def _write_samples(runs, prompt: str, newline: bool) -> None:
-    """Stream each continuation to stdout as it is made, separated by '---'."""
+def _write_samples(runs, prompt_blocks: Callable[[], Iterable[str]], newline: bool) -> None:
+    """Stream each continuation to stdout as it is made, after the prompt's blocks, separated by '---'."""
     for index, pieces in enumerate(runs):
         if index:
             sys.stdout.write("\n\n---\n\n")
-        sys.stdout.write(prompt)
+        sys.stdout.writelines(prompt_blocks())
         for piece in pieces:
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -234,7 +239,7 @@ def prime(
     **hardware,
 ) -> None:
     """Read a text once into a state file that `sample`/`chat --load-state` start from."""
-    from aftgen.corpus import read_text
+    from aftgen.corpus.sources import read_document, scan_file
     from aftgen.model import compile_prefill as compiled
     from aftgen.model import tokens_read
     from aftgen.sampling import PROMPT_CHUNK, read_prompt
@@ -242,7 +247,7 @@ def prime(
 
     check_seed(seed)
     check_destination(out)
-    text = read_text(text_file, encoding, errors)
+    document = scan_file(text_file, encoding, errors)  # checked as text once, before the model loads
     where = placement(hardware, generating=True)
     lm, tokenizer, _, _ = _load_for_generation(model, None, False, False, where)
     prefill = None
@@ -251,7 +256,7 @@ def prime(
         print(f"prompt reading: {note}", file=sys.stderr)
     start = time.perf_counter()
     with where.autocast():
-        context = read_prompt(lm, tokenizer, text, None, seed, prefill)
+        context = read_prompt(lm, tokenizer, read_document(document, encoding, errors), None, seed, prefill)
     elapsed = time.perf_counter() - start
     write_state(out, context, lm, tokenizer)
     tokens = tokens_read(context.state)
