@@ -16,7 +16,7 @@ LAYERS = {
     "foundations": ["aftgen.errors", "aftgen.options", "aftgen.files", "aftgen.device", "aftgen.distributed",
                     "aftgen.cores", "aftgen.layers", "aftgen.mixers", "aftgen.tokenizer", "aftgen.aoti",
                     "aftgen.compiled_cache", "aftgen.rowdot"],
-    "model": ["aftgen.model", "aftgen.checkpoint", "aftgen.corpus", "aftgen.hub", "aftgen.api", "aftgen"],
+    "model": ["aftgen.model", "aftgen.checkpoint", "aftgen.hf", "aftgen.corpus", "aftgen.hub", "aftgen.api", "aftgen"],
     "generation": ["aftgen.constraints", "aftgen.sampling", "aftgen.state", "aftgen.chat", "aftgen.evaluate"],
     "run records": ["aftgen.record", "aftgen.curves", "aftgen.card"],
     "training": ["aftgen.training"],
