@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,7 +30,15 @@ ANY_JSON_OBJECT = '{"type": "object"}'  # response_format {"type": "json_object"
 # No whitespace between JSON tokens: it is where a small model wanders (64 tokens of a sample went mostly on
 # newlines and tabs), and text that parses is all that is asked.
 JSON_OPTIONS = {"whitespace_flexible": False}
-COMPILED_KEPT = 64  # compiled constraints kept, by their text: a client sends the same schema again and again
+# Compiled constraints kept, by their text (a client sends the same schema again and again), in bytes all told.
+# A matcher's size cannot be read from Python: each counts as a bound on it from its grammar's length, which
+# holds for the largest enums and objects measured (docs/architecture.md).
+KEPT_BYTES = 256 << 20
+BYTES_PER_GRAMMAR_BYTE = 160
+# llguidance's rows hold one item per alternative plus one, up to its max_items_in_row (2,000 by default).
+MAX_CHOICES = 1999
+# llguidance's error where no token can extend the text and it is not complete: the constraint accepts no text.
+NO_TEXT = "NoExtensionBias"
 
 
 @dataclass(frozen=True)
@@ -75,20 +86,91 @@ def _grammar(constraint: Constraint) -> str:
     raise AftgenError(f"unknown constraint '{constraint.kind}'; choose one of: {', '.join(KINDS)}")
 
 
-@functools.lru_cache(maxsize=COMPILED_KEPT)
+class ConstraintBroken(AftgenError):
+    """A constraint could not go on: llguidance's limits reached, or a token it refused. `rows`: where rows
+    were masked together, the message of each one it broke in."""
+
+    def __init__(self, message: str, rows: dict[int, str] | None = None):
+        super().__init__(message)
+        self.rows = rows or {}
+
+
+class _Kept:
+    """Compiled constraints by their text and tokenizer, the least recently used dropped past `limit` bytes
+    (as BYTES_PER_GRAMMAR_BYTE counts them). Any thread may use it."""
+
+    def __init__(self, limit: int):
+        self.limit, self.size, self.lock = limit, 0, threading.Lock()
+        self.entries: OrderedDict[tuple, tuple[object, int]] = OrderedDict()
+
+    def get(self, key: tuple):
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is not None:
+                self.entries.move_to_end(key)
+            return entry and entry[0]
+
+    def put(self, key: tuple, matcher: object, size: int) -> None:
+        with self.lock:
+            if size > self.limit or key in self.entries:
+                return
+            self.entries[key], self.size = (matcher, size), self.size + size
+            while self.size > self.limit:
+                _, (_, dropped) = self.entries.popitem(last=False)
+                self.size -= dropped
+
+
+_kept = _Kept(KEPT_BYTES)
+
+
 def compiled(constraint: Constraint, tokenizer: Tokenizer):
-    """The constraint compiled for this tokenizer, as a fresh llguidance.LLMatcher (copy it before use).
-    Raises AftgenError, in one line, for a constraint that cannot be compiled. Can take a while for a
-    large schema: a server calls it off its event loop."""
+    """The constraint compiled for this tokenizer and checked, as an llguidance.LLMatcher (give each row a
+    Matcher of it). Raises AftgenError, in one line, for one that cannot be compiled, accepts no text or
+    cannot take its first token. Can take seconds for a large schema, in which llguidance lets go of Python's
+    lock: a server calls it on a thread of its own, before the request is admitted. Kept by its text."""
+    key = (constraint, tokenizer)
+    matcher = _kept.get(key)
+    if matcher is None:
+        import llguidance
+
+        try:
+            grammar = _grammar(constraint)
+            matcher = llguidance.LLMatcher(_guidance_tokenizer(tokenizer), grammar, log_level=0, limits=_limits())
+        except ValueError as exc:  # a schema that is not JSON, a grammar that is not GBNF
+            raise AftgenError(f"the {constraint.kind} cannot be compiled: {one_line(str(exc))}") from None
+        if matcher.is_error():
+            raise AftgenError(f"the {constraint.kind} cannot be compiled: {one_line(matcher.get_error())}")
+        _kept.put(key, _checked(constraint, matcher), len(grammar) * BYTES_PER_GRAMMAR_BYTE)
+    return matcher
+
+
+@functools.cache
+def _limits():
+    """llguidance's own limits, its errors without the parser's state (a server sends them to the client)."""
     import llguidance
 
-    try:
-        matcher = llguidance.LLMatcher(_guidance_tokenizer(tokenizer), _grammar(constraint), log_level=0)
-    except ValueError as exc:  # a schema that is not JSON, a grammar that is not GBNF
-        raise AftgenError(f"the {constraint.kind} cannot be compiled: {one_line(str(exc))}") from None
-    if matcher.is_error():
-        raise AftgenError(f"the {constraint.kind} cannot be compiled: {one_line(matcher.get_error())}")
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def _checked(constraint: Constraint, matcher):
+    """`matcher`, once a copy has computed its first mask and taken the first token allowed: what fails there
+    (no text accepted, a limit reached at once, as by a right-recursive rule) would fail every generation."""
+    trial = matcher.deep_copy()
+    allowed = trial.compute_bitmask()
+    if not trial.is_error():
+        trial.consume_token(first_set(allowed))
+    if trial.is_error():
+        error = trial.get_error()
+        if error.startswith(NO_TEXT):
+            raise AftgenError(f"the {constraint.kind} accepts no text: nothing can be generated that matches it")
+        raise AftgenError(f"the {constraint.kind} cannot be followed: {one_line(error)}")
     return matcher
+
+
+def first_set(bits: bytes) -> int:
+    """The first token a mask (Matcher.allowed_bits) allows; a mask always allows one, EOS at least."""
+    byte = next(i for i, value in enumerate(bits) if value)
+    return byte * 8 + (bits[byte] & -bits[byte]).bit_length() - 1
 
 
 def one_line(error: str) -> str:
@@ -101,8 +183,10 @@ def one_line(error: str) -> str:
 class Matcher:
     """One row's place in its constraint: which tokens may come next, advanced by each token drawn."""
 
-    def __init__(self, constraint: Constraint, tokenizer: Tokenizer):
-        self.matcher = compiled(constraint, tokenizer).deep_copy()
+    def __init__(self, prototype):
+        """`prototype`: the constraint as `compiled` gives it."""
+        self.matcher = prototype.deep_copy()
+        self.spent = 0.0  # seconds its masks took
 
     @property
     def finished(self) -> bool:
@@ -110,21 +194,37 @@ class Matcher:
         return self.matcher.is_stopped()
 
     def advance(self, token: int) -> None:
-        if not self.matcher.consume_token(token):  # the mask allowed it: only a bug in the mask gets here
-            raise AftgenError(f"token {token} broke the constraint: {one_line(self.matcher.get_error())}")
+        """Take the token drawn; ConstraintBroken where llguidance cannot (its limits reached)."""
+        if not self.matcher.consume_token(token):
+            raise ConstraintBroken(f"the constraint broke at token {token}: {one_line(self.matcher.get_error())}")
 
     def allowed_bits(self) -> bytes:
-        """One bit per token (little-endian within each 32-bit word): set where the token may come next."""
-        return self.matcher.compute_bitmask()
+        """One bit per token (little-endian within each 32-bit word): set where the token may come next.
+        ConstraintBroken where llguidance cannot tell (its limits reached)."""
+        start = time.perf_counter()
+        bits = self.matcher.compute_bitmask()
+        self.spent += time.perf_counter() - start
+        if self.matcher.is_error():
+            raise ConstraintBroken(f"the constraint broke: {one_line(self.matcher.get_error())}")
+        return bits
 
 
 def masked(logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> torch.Tensor:
     """logits (B, V) with each constrained row's ruled-out tokens at -inf; rows whose matcher is None, and
-    every row where none has one, are left exactly as they are."""
+    every row where none has one, are left exactly as they are. ConstraintBroken names the rows whose
+    constraint broke (every mask is computed first)."""
     rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
     if not rows:
         return logits
-    bits = torch.frombuffer(bytearray(b"".join(matchers[row].allowed_bits() for row in rows)), dtype=torch.uint8)
+    masks, broken = [], {}
+    for row in rows:
+        try:
+            masks.append(matchers[row].allowed_bits())
+        except ConstraintBroken as exc:
+            broken[row] = str(exc)
+    if broken:
+        raise ConstraintBroken(next(iter(broken.values())), broken)
+    bits = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8)
     unpacked = (bits.view(len(rows), -1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
     vocab = logits.shape[-1]
     allowed = torch.ones(logits.shape, dtype=torch.bool)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aftgen import cores, rowdot
-from aftgen.constraints import Constraint, Matcher, masked
+from aftgen.constraints import Constraint, Matcher, compiled, masked
 from aftgen.corpus.encode import chunks
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, ModelState, PrefillFunction, StepFunction, clone_state
@@ -520,10 +520,14 @@ class TextStream:
     any two calls.
     """
 
-    def __init__(self, tokenizer: Tokenizer, context: Context, options: SamplingOptions):
+    def __init__(self, tokenizer: Tokenizer, context: Context, options: SamplingOptions, constraint: object = None):
+        """`constraint`: options.constraint as constraints.compiled gave it, where the caller has it (a server
+        compiles it before the request is admitted); else it is compiled here."""
         self.context, self.options = context, options
         self.decoder, self.stops = tokenizer.stream_decoder(), StopFilter(options.stop)
-        self.matcher = None if options.constraint is None else Matcher(options.constraint, tokenizer)
+        self.matcher = None
+        if options.constraint is not None:
+            self.matcher = Matcher(constraint or compiled(options.constraint, tokenizer))
         self.produced = 0
         self.decoded = 0  # characters decoded so far, stop strings or not: where the next token's text starts
 

@@ -27,7 +27,7 @@ from aftgen.serve import tokenizing
 from aftgen.serve.engine import Engine
 from aftgen.serve.remote import EngineProcess, EngineUnavailable
 from aftgen.serve.replies import UNREADABLE, Reply, as_json, score_writer, shown_scores
-from aftgen.serve.schema import APIError, check_constraint, controls_body, parse_request
+from aftgen.serve.schema import APIError, controls_body, parse_request
 from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket, merged_texts
 
 # The page may talk to this server only: its own inline script and style, nothing fetched from elsewhere.
@@ -51,7 +51,7 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def failure(event: Failed) -> APIError:
-    return APIError(event.status, event.message, event.kind, code=event.code, retry_after=event.retry_after)
+    return APIError(event.status, event.message, event.kind, event.param, event.code, event.retry_after)
 
 
 class Inbox(asyncio.Queue):
@@ -257,8 +257,6 @@ class Server:
     async def _generate(self, request: Request, chat: bool) -> Response:
         body = await self._body(request)
         parsed = parse_request(body, chat, self.options, self.engine.tokenizer, self.model_name)
-        if parsed.constraint_field is not None:  # compiling a schema can take a while: off the event loop
-            await asyncio.to_thread(check_constraint, parsed, self.engine.tokenizer)
         scored = parsed.work.logprobs is not None
         ticket = self.engine.submit(parsed.work, Inbox((chat, parsed.work.logprobs) if scored else None))
         reply = Reply(chat, self.model_name, scored)

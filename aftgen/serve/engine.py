@@ -5,6 +5,10 @@ free up), reads about `prompt_chunk` prompt tokens in the parallel form (so a lo
 in pieces between steps instead of stalling everyone), then steps the whole batch once and hands
 each sequence its token. A finished, cancelled (client gone) or timed-out sequence leaves the batch
 in the same turn, and its row is free for the next request.
+
+A request's constraint (structured output) is its own business: it is compiled on a thread of its own
+before the request queues, a constraint that breaks fails its request alone, and a row's masks may take
+as long as the batch's steps (MASK_SHARE, past MASK_GRACE) before its request is ended.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from aftgen import cores, rowdot
+from aftgen.constraints import ConstraintBroken, compiled
 from aftgen.device import Placement
 from aftgen.errors import AftgenError
 from aftgen.model import AFTLM, StepFunction
@@ -46,6 +52,11 @@ OVERLOADED = "every generation slot is taken and the queue is full; try again sh
 # a turn with many rows, so a busy server's token gaps stay one turn each (2 ms made them alternate between one
 # turn and two: ITL p99 / p50 at 32 streams 2.2x).
 TEXT_EVERY = 0.001
+# A constrained row's masks may take this share of the batch's step time, after MASK_GRACE seconds (the first
+# masks of a large schema): then the rows beside it keep at least half their speed, and the costliest
+# constraint a server can be sent (an ambiguous grammar's masks grow with its text) ends its own request.
+MASK_SHARE = 1.0
+MASK_GRACE = 0.25
 
 
 @dataclass(eq=False)
@@ -68,6 +79,7 @@ class Row:
     parts: list[str] = field(default_factory=list)
     echoed: int = 0  # characters of the prompt's text echoed before the generated text
     shown: int = 0  # characters of the generated text handed on
+    stepped: float = 0.0  # seconds the batch's steps took while it was in the batch (its masks' budget)
     held: deque[Score] = field(default_factory=deque)  # scores of tokens whose text is not handed on yet
 
 
@@ -107,6 +119,7 @@ class Engine:
         self.publish: Callable[[list[tuple[Ticket, Event]]], None] = lambda events: None
         self.thread: threading.Thread | None = None
         self.stopping = False
+        self.compiler = ThreadPoolExecutor(1, "aftgen-constraints")  # compiles constraints outside the turns
 
     # --- the HTTP side's calls (any thread) ---
 
@@ -117,23 +130,49 @@ class Engine:
     def stop(self) -> None:
         self.stopping = True
         self.wake.set()
+        self.compiler.shutdown(wait=False, cancel_futures=True)
         if self.thread is not None:
             self.thread.join()
 
     def submit(self, work: Work, inbox: object = None) -> Ticket:
         """Queue a request whose events go to `inbox` (see `publish`). When every row is taken and the queue
-        is full, its one event is a 503."""
+        is full, its one event is a 503. A constraint is compiled first, on the compiler's thread."""
         ticket = Ticket(work, self.clock() + self.options.timeout, inbox)
         with self.lock:
             full = self.queued >= self.options.queue + max(0, self.options.parallel - self.occupied())
             if not full:
                 self.queued += 1
-                self.incoming.append(ticket)
         if full:
             self.publish([(ticket, Failed(503, OVERLOADED, code="server_overloaded"))])
+        elif work.options.constraint is not None:
+            self.compiler.submit(self._compile, ticket)
         else:
-            self.wake.set()
+            self._enqueue(ticket)
         return ticket
+
+    def _enqueue(self, ticket: Ticket) -> None:
+        with self.lock:
+            self.incoming.append(ticket)
+        self.wake.set()
+
+    def _compile(self, ticket: Ticket) -> None:
+        """(The compiler's thread.) Compile the request's constraint, then queue the request; one that cannot be
+        followed is a 400 naming its field."""
+        work = ticket.work
+        try:
+            ticket.constraint = compiled(work.options.constraint, self.tokenizer)
+        except AftgenError as exc:
+            self._dequeued()
+            message = f"'{work.constraint_field}': {exc}" if work.constraint_field else str(exc)
+            failed = Failed(400, message, "invalid_request_error", "invalid_constraint", param=work.constraint_field)
+            self.publish([(ticket, failed)])
+            return
+        except Exception:  # a bug: this request fails alone
+            traceback.print_exc(file=sys.stderr)
+            self._dequeued()
+            self.publish([(ticket, Failed(500, "internal error compiling the constraint (see the server's log)"))])
+            return
+        self._enqueue(ticket)
 
     def cancel(self, ticket: Ticket) -> None:
         """The client went away: stop its work and free its rows at the next turn (a no-op once it is done)."""
@@ -340,7 +379,7 @@ class Engine:
         echo = self._echo(reader) if work.echo else None
         joining = []
         for index, context in enumerate(contexts):
-            stream = TextStream(self.tokenizer, context, work.options)
+            stream = TextStream(self.tokenizer, context, work.options, ticket.constraint)
             row = Row(ticket, index, stream, ids if remember else [], echoed=len(echo.text) if echo else 0)
             if echo:
                 self._emit(ticket, Text(index, echo.text, echo.scores))
@@ -364,18 +403,28 @@ class Engine:
         return Text(0, text, [(start, *score) for start, score in zip(starts, scores, strict=True)])
 
     def _step(self) -> None:
-        """One batched step: every row's next token in, every row's logits out."""
+        """One batched step: every row's next token in, every row's logits out. A row whose constraint cannot
+        take its token fails its request alone."""
         tokens = self._choose()
         rows = list(self.batch.rows)  # less those whose requests failed in _choose
         if not rows:
             return
         scores = self._scores(rows, tokens)
+        started = self.clock()
         logits = self.batch.step(tokens)
+        took, failed = self.clock() - started, set()
         for row, token, row_logits, score in zip(rows, tokens.tolist(), logits.split(1), scores, strict=True):
+            if row.ticket in failed:
+                continue
+            row.stepped += took
             if score is not None:  # where the token's text starts, the token, its score record
                 row.held.append((row.echoed + row.stream.decoded, *score))
-            self._text(row, row.stream.accept(token, row_logits))
-        self._finish([row for row in rows if row.stream.done])
+            try:
+                self._text(row, row.stream.accept(token, row_logits))
+            except ConstraintBroken as exc:
+                failed.add(row.ticket)
+                self._fail(row.ticket, broken(row, str(exc)))
+        self._finish([row for row in rows if row.stream.done and row.ticket not in failed])
 
     def _scores(self, rows: list[Row], tokens: torch.Tensor) -> list[tuple | None]:
         """The drawn tokens' scores for the rows whose requests ask for them, in one pass (None for the others)."""
@@ -393,18 +442,25 @@ class Engine:
 
     def _choose(self) -> torch.Tensor:
         """Every row's next token (B,), in the batch's order, drawn in one pass (each row from its own options,
-        history and generator). A row whose scores are NaN or infinite fails its request alone: next_tokens
-        refuses before anything is drawn, so the rows left then draw what they would have."""
+        history and generator). A row whose scores are NaN or infinite, whose constraint breaks or whose masks
+        ran past their budget fails its request alone: next_tokens refuses before anything is drawn, so the
+        rows left then draw what they would have."""
+        costly = {row.ticket: too_costly(row) for row in reversed(self.batch.rows) if over_budget(row)}
+        for ticket, failure in costly.items():  # each request's first row past its budget
+            self._fail(ticket, failure)
         while self.batch.rows:
             rows = list(self.batch.rows)
             try:
                 return next_tokens([row.stream for row in rows], self.batch.logits)
             except ScoresNotFinite as exc:
-                unusable: dict[Ticket, Row] = {}  # a request's first row that cannot draw
-                for i in exc.rows:
-                    unusable.setdefault(rows[i].ticket, rows[i])
-                for ticket, row in unusable.items():
-                    self._fail(ticket, not_finite(row))
+                failures = {i: not_finite(rows[i]) for i in exc.rows}
+            except ConstraintBroken as exc:
+                failures = {i: broken(rows[i], message) for i, message in exc.rows.items()}
+            unusable: dict[Ticket, Failed] = {}  # each request's first row that cannot draw
+            for i, failure in failures.items():
+                unusable.setdefault(rows[i].ticket, failure)
+            for ticket, failure in unusable.items():
+                self._fail(ticket, failure)
         return torch.zeros(0, dtype=torch.long)
 
     def _fail(self, ticket: Ticket, failure: Failed) -> None:
@@ -514,3 +570,23 @@ def not_finite(row: Row) -> Failed:
         advice = f"session '{session}' stays as it was before this request; if this happens again, start a new one"
     message = f"choice {row.index}: the model's scores for the next token are NaN or infinite, so no token could be"
     return Failed(500, f"{message} drawn ({advice})", "server_error", "scores_not_finite")
+
+
+def over_budget(row: Row) -> bool:
+    """The row's constraint has spent more on its masks than MASK_SHARE of the batch's steps allows."""
+    matcher = row.stream.matcher
+    return matcher is not None and matcher.spent > MASK_GRACE + MASK_SHARE * row.stepped
+
+
+def too_costly(row: Row) -> Failed:
+    spent, stepped = row.stream.matcher.spent, row.stepped
+    message = (
+        f"choice {row.index}: the constraint's token masks took {spent:.2f} s beside {stepped:.2f} s of the model's "
+        f"steps, more than this server allows (a grammar whose rules are ambiguous grows costlier with each token)"
+    )
+    return Failed(500, message, "server_error", "constraint_too_costly")
+
+
+def broken(row: Row, message: str) -> Failed:
+    """How a request fails when a row's constraint cannot go on (llguidance's limits reached)."""
+    return Failed(500, f"choice {row.index}: {message}", "server_error", "constraint_broken")

@@ -14,8 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aftgen.chat import REPLY_END, ROLES, message_text
-from aftgen.constraints import ANY_JSON_OBJECT, Constraint, compiled, json_source
-from aftgen.errors import AftgenError
+from aftgen.constraints import ANY_JSON_OBJECT, MAX_CHOICES, Constraint, json_source
 from aftgen.sampling import API_DEFAULTS, CONTROLS, SEEDS, Range, SamplingOptions, opening
 from aftgen.serve.conversation import chat_ids
 from aftgen.serve.options import ServeOptions
@@ -49,7 +48,6 @@ class Request:
     chat: bool
     stream: bool = False
     include_usage: bool = False
-    constraint_field: str | None = None  # the field that gave work.options.constraint (check_constraint names it)
 
 
 def invalid(param: str, message: str) -> APIError:
@@ -166,6 +164,8 @@ def regex(name: str, value: object) -> Constraint:
 def choice(name: str, value: object) -> Constraint:
     if not isinstance(value, list) or not value or not all(isinstance(item, str) for item in value):
         raise invalid(name, f"'{name}' must be a non-empty list of strings")
+    if len(value) > MAX_CHOICES:
+        raise invalid(name, f"'{name}' takes at most {MAX_CHOICES} strings, got {len(value)}")
     return Constraint("choice", json.dumps(value))
 
 
@@ -187,15 +187,6 @@ CONSTRAINT_FIELDS = {
     "json_schema": json_schema,
     "grammar": grammar,
 }
-
-
-def check_constraint(request: Request, tokenizer: Tokenizer) -> None:
-    """Compile the request's constraint (cached by its text), refusing one that cannot be compiled. A large
-    schema takes a while: the HTTP side runs this on a worker thread."""
-    try:
-        compiled(request.work.options.constraint, tokenizer)
-    except AftgenError as exc:
-        raise invalid(request.constraint_field, f"'{request.constraint_field}': {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -462,5 +453,6 @@ def parse_request(body: dict, chat: bool, options: ServeOptions, tokenizer: Toke
     )
     scores = {"logprobs": logprobs_asked(values, chat), "echo": values.get("echo", False)}
     work = Work(ids, sampling, values.get("n", 1), values.get("session"), REPLY_END if chat else None, **scores)
+    work.constraint_field = shaped[0] if shaped else None
     stream, usage = values.get("stream", False), values.get("stream_options", False)
-    return Request(work, chat, stream, usage, shaped[0] if shaped else None)
+    return Request(work, chat, stream, usage)

@@ -22,6 +22,7 @@ class Work:
     reply_suffix: str | None = None  # chat: keep the state after `prompt + reply + suffix` in the prefix cache
     logprobs: int | None = None  # score each token, with this many likeliest alternatives (None: no scores)
     echo: bool = False  # the prompt's text (and with `logprobs`, its tokens' scores) first in each choice
+    constraint_field: str | None = None  # the request's field that gave options.constraint: a 400 names it
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Failed:
     kind: str = "server_error"
     code: str | None = None
     retry_after: int = 1  # seconds, for a 503's Retry-After
+    param: str | None = None  # the request's field at fault, for a 400
 
 
 @dataclass
@@ -82,6 +84,7 @@ class Ticket:
     cancelled: bool = False
     unfinished: int = 0  # choices still generating
     number: int = 0  # what an engine in another process knows it by (aftgen.serve.remote)
+    constraint: object = None  # work.options.constraint compiled (aftgen.constraints.compiled), before admission
 
 
 def merged_texts(events: list[tuple[Ticket, Event]]) -> list[tuple[Ticket, Event]]:
