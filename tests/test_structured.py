@@ -1,28 +1,35 @@
 """Structured output: every constrained reply parses, validates or matches, across seeds and temperatures, in
 both routes and on the command line; a constrained row leaves the free rows beside it drawing what they draw
-alone; a constraint that cannot be compiled is a 400 naming its field."""
+alone; a constraint that cannot be compiled or followed is a 400 naming its field, and one that breaks or costs
+too much while drawing fails its own request alone."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Iterator
 
+import httpx
 import jsonschema
+import llguidance
 import pytest
 from conftest import DEVICE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serve import _one_thread, client, post, running  # noqa: F401 (_one_thread: autouse, one thread)
+from test_serve import KEY, _one_thread, client, post, running  # noqa: F401 (_one_thread: autouse, one thread)
 from typer.testing import CliRunner
 
+from aftgen import constraints
 from aftgen.api import load
 from aftgen.cli import app
-from aftgen.constraints import Constraint, json_source
+from aftgen.constraints import ANY_JSON_OBJECT, Constraint, compiled, json_source
 from aftgen.device import resolve
 from aftgen.sampling import SamplingOptions, generate, read_prompt
+from aftgen.serve import engine as engine_module
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
+from aftgen.serve.schema import APIError, structured_outputs
 from aftgen.serve.work import Done, Failed, Text, Work
 
 PERSON = {  # the issue's: a string of at most 20 characters, an integer and an enum
@@ -38,6 +45,7 @@ PERSON = {  # the issue's: a string of at most 20 characters, an integer and an 
 PHONE = "[0-9]{3}-[0-9]{4}"
 TEMPERATURES = (0.0, 0.7, 1.0, 1.5)
 CHOICES = 8  # choices a request: choice i draws from seed + i
+AMBIGUOUS = 'start: s\ns: s s | s s s | "a" | "e" | " "'  # each token's mask costs more than the one before
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +90,17 @@ def test_every_reply_to_a_regex_grammar_or_choice_matches(url, field, matches):
             assert choice["finish_reason"] == "stop" and matches(choice["text"]), choice
 
 
-def test_json_object_asks_for_an_object(url):
-    """Any object: its keys are free text, where a tiny model can wander past max_tokens; those that end parse."""
+def test_json_object_asks_for_an_object(url, engine):
+    """Any object: its keys are free text, where a tiny model can wander past max_tokens. Those that end
+    validate; those cut short are text that llguidance's matcher for the schema takes, token by token."""
     body = dict(prompt="KING:", n=CHOICES, seed=0, max_tokens=60, response_format={"type": "json_object"})
     for choice in post(url, "/v1/completions", json=body).json()["choices"]:
         if choice["finish_reason"] == "stop":
-            assert isinstance(json.loads(choice["text"]), dict)
+            jsonschema.validate(json.loads(choice["text"]), {"type": "object"})
         else:
-            assert choice["text"].startswith("{")
+            ids = engine.tokenizer.encode(choice["text"])
+            matcher = compiled(Constraint("json_schema", ANY_JSON_OBJECT), engine.tokenizer).deep_copy()
+            assert engine.tokenizer.decode(ids) == choice["text"] and matcher.consume_tokens(ids), choice
 
 
 def test_a_stream_follows_the_schema_too(url):
@@ -114,12 +125,41 @@ def test_a_constraint_cut_short_ends_with_length(url):
         ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
         ({"grammar": 'root ::= "a"', "json_schema": PERSON}, "grammar"),
+        ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs"),  # accepts no text
+        ({"structured_outputs": {"grammar": 'start: x\nx: x "a"'}}, "structured_outputs"),  # nor this
+        ({"json_schema": {"$ref": "#"}}, "json_schema"),  # nor a schema that is only itself
+        ({"grammar": 'root ::= "a" root'}, "grammar"),  # past llguidance's limits at its first token
     ],
 )
-def test_a_constraint_that_cannot_be_compiled_is_a_400_naming_its_field(url, field, param):
+def test_a_constraint_that_cannot_be_compiled_or_followed_is_a_400_naming_its_field(url, field, param):
     reply = post(url, "/v1/completions", json=dict(prompt="KING:", max_tokens=4, **field))
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+def test_a_choice_past_llguidance_s_row_is_refused_before_anything_runs():
+    """A choice is one row of llguidance's parser, one item a string and one more: 2,000 items at most."""
+    with pytest.raises(APIError) as refused:
+        structured_outputs("structured_outputs", {"choice": [f"w{i}" for i in range(2001)]})
+    assert refused.value.status == 400 and refused.value.param == "structured_outputs.choice"
+    assert structured_outputs("structured_outputs", {"choice": [f"w{i}" for i in range(1999)]}).kind == "choice"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_constraint_leaves_the_requests_beside_it_alone(url, stream):
+    """The issue's: a grammar past llguidance's limits beside free requests, on one server at once."""
+    free = dict(prompt="KING:", max_tokens=20, stream=stream)
+    shaped = dict(prompt="", max_tokens=200, stream=stream, structured_outputs={"grammar": 'root ::= "a" root'})
+
+    async def all_at_once() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as http:
+            sent = [http.post(f"{url}/v1/completions", json=body) for body in [shaped] + [free] * CHOICES]
+            return await asyncio.gather(*sent)
+
+    refused, *answered = asyncio.run(all_at_once())
+    assert refused.status_code == 400, refused.text
+    for reply in answered:
+        assert reply.status_code == 200 and "error" not in reply.text, reply.text
 
 
 @pytest.fixture(scope="module")
@@ -130,15 +170,30 @@ def engine(tiny_run) -> Engine:
     return Engine(model, tokenizer, options, resolve(DEVICE, "fp32"))
 
 
+def outcomes(engine: Engine, rows: list[SamplingOptions]) -> list[str | Failed]:
+    """Each row's text, or how its request failed, all generating at once from one prompt."""
+    events: list = []
+    engine.publish = events.extend  # the compiler's thread publishes a refusal too: extend is atomic
+    tickets = [engine.submit(Work(engine.tokenizer.encode("KING:"), options)) for options in rows]
+
+    def ended(ticket) -> Failed | Done | None:
+        return next((e for owner, e in list(events) if owner is ticket and isinstance(e, (Done, Failed))), None)
+
+    while not all(ended(ticket) for ticket in tickets):
+        engine.turn()
+    return [
+        ended(ticket)
+        if isinstance(ended(ticket), Failed)
+        else "".join(e.text for o, e in events if o is ticket and isinstance(e, Text))
+        for ticket in tickets
+    ]
+
+
 def texts(engine: Engine, rows: list[SamplingOptions]) -> list[str]:
     """Each row's text, all generating at once from one prompt; none may fail."""
-    events: list = []
-    engine.publish = events.extend
-    tickets = [engine.submit(Work(engine.tokenizer.encode("KING:"), options)) for options in rows]
-    while not all(any(owner is ticket and isinstance(e, (Done, Failed)) for owner, e in events) for ticket in tickets):
-        engine.turn()
-    assert not [event for _, event in events if isinstance(event, Failed)], events
-    return ["".join(e.text for owner, e in events if owner is ticket and isinstance(e, Text)) for ticket in tickets]
+    got = outcomes(engine, rows)
+    assert not [outcome for outcome in got if isinstance(outcome, Failed)], got
+    return got
 
 
 def test_a_constrained_row_leaves_the_free_rows_beside_it_alone(engine):
@@ -148,6 +203,29 @@ def test_a_constrained_row_leaves_the_free_rows_beside_it_alone(engine):
     together = texts(engine, [free[0], shaped, *free[1:]])
     assert [together[0], *together[2:]] == alone
     jsonschema.validate(json.loads(together[1]), PERSON)
+
+
+def test_a_constraint_that_breaks_while_drawing_fails_its_request_alone(engine, monkeypatch):
+    """llguidance's limits reached deep in an ambiguous grammar (made small here, so a few tokens reach them):
+    that request ends with an error naming them, and the free rows beside it draw what they draw alone."""
+    monkeypatch.setattr(constraints, "_limits", lambda: llguidance.LLParserLimits(step_max_items=300))
+    free = [SamplingOptions(max_new_tokens=24, temperature=1.0, seed=seed) for seed in range(3)]
+    alone = texts(engine, free)
+    shaped = SamplingOptions(max_new_tokens=200, seed=9, constraint=Constraint("grammar", AMBIGUOUS + " "))
+    failed, *together = outcomes(engine, [shaped, *free])
+    assert together == alone
+    assert failed.status == 500 and failed.code == "constraint_broken" and "Too many items" in failed.message
+
+
+def test_a_constraint_whose_masks_cost_more_than_the_steps_ends_its_request(engine, monkeypatch):
+    """With no grace and no share of the steps' time, a constraint's first mask is past its budget."""
+    monkeypatch.setattr(engine_module, "MASK_GRACE", 0.0)
+    monkeypatch.setattr(engine_module, "MASK_SHARE", 0.0)
+    free = SamplingOptions(max_new_tokens=24, temperature=1.0, seed=1)
+    shaped = SamplingOptions(max_new_tokens=200, seed=9, constraint=Constraint("grammar", AMBIGUOUS))
+    failed, text = outcomes(engine, [shaped, free])
+    assert text == texts(engine, [free])[0]
+    assert failed.status == 500 and failed.code == "constraint_too_costly", failed
 
 
 REGEX_PARTS = st.sampled_from(["[0-9]", "[a-z]", "[A-Z]", "(ab|cd)", "-", " ", r"\.", "x"])
@@ -183,3 +261,14 @@ def test_sample_writes_text_that_matches_its_regex_or_schema(tiny_run, tmp_path)
         jsonschema.validate(json.loads(text), PERSON)
     refused = CliRunner().invoke(app, [*base, "--regex", "[0-9"])
     assert refused.exit_code == 2 and refused.output.startswith("error: the regex cannot be compiled"), refused.output
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--regex", r"[^\s\S]"), ("--grammar", 'start: x\nx: x "a"')])
+def test_sample_refuses_a_constraint_that_accepts_no_text(tiny_run, tmp_path, flag, value):
+    if flag == "--grammar":
+        (tmp_path / "g.lark").write_text(value)
+        value = str(tmp_path / "g.lark")
+    base = ["sample", "--model", str(tiny_run), "--device", DEVICE, "--prompt", "KING:", "--no-echo"]
+    refused = CliRunner().invoke(app, [*base, flag, value])
+    assert refused.exit_code == 2 and refused.output.count("\n") == 1, refused.output
+    assert refused.output.startswith(f"error: the {flag[2:]} accepts no text"), refused.output
