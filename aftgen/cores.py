@@ -23,11 +23,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
+import msgspec
 import torch
 
 from aftgen.errors import AftgenError
-from aftgen.files import atomic_write, cache_dir, read_bytes, read_json, shown
+from aftgen.files import atomic_write, cache_dir, read_bytes, read_record, shown
 
 SOLO_VARIABLE = "AFTGEN_SOLO"  # set: every core and no registry (the behaviour before it; a bench of one job alone)
 LOOK_EVERY = 2.0  # seconds between two looks at the registry: a look costs about 0.1 ms, a wrong share far more
@@ -37,6 +39,15 @@ IDLE_AFTER = 1.0  # seconds without work before a server gives its share back (a
 ENTRY_LIMIT = 64 << 10  # bytes: an entry aftgen writes is under 4 KB; anything larger was not written by it
 PID_MAX = 1 << 22  # the most Linux's pid_max can be
 _ENTRY_NAME = re.compile(r"([0-9]{1,7})\.json")  # "<pid>.json": any other name in the folder is not ours to judge
+
+
+class Entry(msgspec.Struct, frozen=True):
+    """A process's registry entry, `running/<pid>.json`, as `Registry.write` writes it."""
+
+    pid: Annotated[int, msgspec.Meta(gt=0, le=PID_MAX)]
+    started: str | None = None  # its start time (`_start_time`); an entry without one is never trusted
+    command: str = "?"
+    busy: bool = True  # unsaid: counted as computing while it uses the CPU (ThreadShare._working)
 
 
 @dataclass(frozen=True)
@@ -82,37 +93,28 @@ class Registry:
     def peers(self) -> list[Peer]:
         """The live processes' entries, this one's too. The entries of processes that have died are removed,
         and so is anything named like an entry that is not one (a FIFO, a huge or malformed file): aftgen
-        never writes one, and left there it would be read again on every look."""
+        never writes one, and left there it would be read again on every look. So is one whose start time cannot
+        be checked against its live process (none recorded, as an older aftgen wrote them): its PID may be reused."""
         found = []
         for path in self.folder.glob("*.json"):
             if not (name := _ENTRY_NAME.fullmatch(path.name)):
                 continue
-            record = _read(path, int(name[1]))
-            if record is None or not _alive(record["pid"], record["started"]):
+            entry = _read(path, int(name[1]))
+            if entry is None or not _alive(entry.pid, entry.started):
                 with contextlib.suppress(OSError):
                     path.unlink()
                 continue
-            pid = record["pid"]
-            found.append(Peer(pid, record["command"], record["busy"], _cpu_seconds(pid)))
+            found.append(Peer(entry.pid, entry.command, entry.busy, _cpu_seconds(entry.pid)))
         return found
 
 
-def _read(path: Path, pid: int) -> dict | None:
+def _read(path: Path, pid: int) -> Entry | None:
     """The entry of process `pid`, or None for one that is not a regular file of a valid entry for it."""
     try:
-        record = read_json(path, ENTRY_LIMIT, "the registry entry")
+        entry = read_record(path, Entry, ENTRY_LIMIT, "the registry entry")
     except AftgenError:
         return None
-    valid = (
-        isinstance(record, dict)
-        and type(record.get("pid")) is int  # JSON's true is no PID
-        and record["pid"] == pid
-        and 0 < pid <= PID_MAX
-        and isinstance(record.get("command"), str)
-        and type(record.get("busy")) is bool
-        and isinstance(record.get("started"), str | None)
-    )
-    return record if valid else None
+    return entry if entry.pid == pid else None
 
 
 def _stat(pid: int) -> list[str]:
@@ -136,13 +138,14 @@ def _cpu_seconds(pid: int) -> float | None:
 
 
 def _alive(pid: int, started: str | None) -> bool:
+    """Whether `pid` is the very process that wrote the entry: alive, and started when the entry says."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process: alive
         pass
-    return started is None or _start_time(pid) in (None, started)
+    return started is not None and _start_time(pid) == started
 
 
 class ThreadShare:

@@ -4,7 +4,14 @@ Reads (`read_bytes`, `read_text`, `read_json`, `open_regular`) take regular file
 FIFO or device, and refuse a file larger than it can legitimately be before reading it. Writes go through
 `atomic_open`: a crash at any moment leaves the old complete file or the new one, never half, and the new
 file is renamed over the path (a link there is replaced, never written through). `locked_folder` keeps a
-folder to one writing process at a time. `shown` makes text read from a file safe to print."""
+folder to one writing process at a time. `shown` makes text read from a file safe to print.
+
+Every record aftgen reads back (a registry entry, a cache's record, a run's description) is declared once as
+a typed struct (msgspec) with its defaults, and read through `read_record` (or `as_record`, for one already
+parsed from another file's header): a missing field takes its default, and a field of another type (null, a
+list, a string for a count, 1e30 for a PID) refuses the whole record with one line, never a traceback. An
+older aftgen or another hand may have written it; the caller says what a refused record means (skipped,
+made again, or an error)."""
 
 from __future__ import annotations
 
@@ -20,9 +27,13 @@ import time
 import unicodedata
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, Any, BinaryIO, TypeVar
+
+import msgspec
 
 from aftgen.errors import AftgenError
+
+Record = TypeVar("Record")
 
 _TEMPORARY = ".tmp"  # a file being written is ".<name>.<random>.tmp" beside its final place
 LOCK = ".lock"  # in a folder a process writes: its PID, and an flock held for as long as it writes
@@ -129,6 +140,29 @@ def read_json(path: Path | str, limit: int, what: str) -> Any:
     except (ValueError, RecursionError) as exc:  # not UTF-8 text, malformed, a 5000-digit number, or nested past
         reason = "nested too deep" if isinstance(exc, RecursionError) else shown(exc)  # what json reads
         raise AftgenError(f"{path}: not valid JSON ({reason})") from None
+
+
+def read_record(path: Path | str, kind: type[Record], limit: int, what: str) -> Record:
+    """The JSON record of type `kind` in a regular file of at most `limit` bytes; a malformed one, or one whose
+    fields do not fit `kind`, is an AftgenError that names the first field that does not."""
+    data = read_bytes(path, limit, what)
+    try:
+        return msgspec.json.decode(data, type=kind, strict=True)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise _not_a_record(path, what, exc) from None
+
+
+def as_record(value: object, kind: type[Record], source: Path | str, what: str) -> Record:
+    """`value`, parsed from the JSON in `source`, as a record of type `kind` (see `read_record`)."""
+    try:
+        return msgspec.convert(value, kind, strict=True)
+    except (msgspec.ValidationError, RecursionError) as exc:
+        raise _not_a_record(source, what, exc) from None
+
+
+def _not_a_record(path: Path | str, what: str, exc: Exception) -> AftgenError:
+    reason = "nested too deep" if isinstance(exc, RecursionError) else shown(exc)
+    return AftgenError(f"{path}: {what} is not one aftgen can read ({reason})")
 
 
 def shown(text: object, limit: int = 200) -> str:

@@ -222,3 +222,52 @@ def test_a_hostile_registry_leaves_a_command_every_core(tmp_path, no_hang):
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(done.stderr) < 10_000 and b"threads:" not in done.stderr
     assert done.stderr.decode().replace("\n", "").isprintable()
+
+
+def written_by_another_hand(pid: int) -> dict[str, object]:
+    """Entries for the live process `pid` as an older aftgen wrote them (no start time) or as a careless hand
+    would: each is to be ignored and removed, none may end a command."""
+    entry = {"pid": pid, "started": cores._start_time(pid), "command": "serve", "busy": True}
+    return {
+        "no start time": {k: v for k, v in entry.items() if k != "started"},
+        "a start time of null": entry | {"started": None},
+        "another start time": entry | {"started": "not a time"},
+        "busy a number": entry | {"busy": 1},
+        "a negative pid": entry | {"pid": -pid},
+        "a pid of 1e30": entry | {"pid": 1e30},
+        "null": None,
+        "a list": [entry],
+        "a string": "serve",
+    }
+
+
+@pytest.mark.parametrize("kind", written_by_another_hand(1))
+def test_an_entry_from_another_version_or_hand_is_ignored_and_removed(tmp_path, kind):
+    (tmp_path / f"{os.getppid()}.json").write_text(json.dumps(written_by_another_hand(os.getppid())[kind]))
+    assert Registry(tmp_path).peers() == []
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def sleepers():
+    """Live processes to name entries after, one per kind of entry."""
+    processes = [subprocess.Popen(["sleep", "60"]) for _ in written_by_another_hand(1)]
+    yield [process.pid for process in processes]
+    for process in processes:
+        process.kill()
+        process.wait()
+
+
+def test_entries_from_another_version_or_hand_leave_a_command_every_core(tmp_path, sleepers, no_hang):
+    """The issue's bar: with such entries in the registry, each named after a live process, `aftgen sample` ends
+    quickly and cleanly, takes every core and removes them."""
+    folder = tmp_path / "running"
+    folder.mkdir()
+    for pid, kind in zip(sleepers, written_by_another_hand(1), strict=True):
+        (folder / f"{pid}.json").write_text(json.dumps(written_by_another_hand(pid)[kind]))
+    env = {k: v for k, v in os.environ.items() if k != cores.SOLO_VARIABLE} | {"AFTGEN_CACHE": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "aftgen", "sample", "-p", "ROMEO:", "-n", "5"], capture_output=True, env=env, timeout=30
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert b"threads:" not in done.stderr and list(folder.iterdir()) == []
