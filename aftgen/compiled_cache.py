@@ -19,12 +19,28 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+import msgspec
+
 from aftgen import files
 from aftgen.errors import AftgenError
 
 FILE_LIMIT = 1 << 30  # a package or its library: the step's code without weights (a few MB for the shipped model)
 RECORD_LIMIT = 4096
 WHAT = "a compiled step's file"
+
+
+class Fingerprint(msgspec.Struct, frozen=True):
+    """A file's size and SHA-256, as recorded when it was written."""
+
+    size: int
+    sha256: str
+
+
+class Recorded(msgspec.Struct, frozen=True):
+    """step-KEY.json: the fingerprints of an entry's files (a library of aftgen's own has no package)."""
+
+    package: Fingerprint | None = None
+    library: Fingerprint | None = None
 
 
 class CacheUnusable(AftgenError):
@@ -94,16 +110,15 @@ def _check_folder(folder: Path) -> None:
 def _damage(path: Path, files_of: dict[str, Path]) -> str:
     """Why one of the cache's files of `path` differs from its record ("" where all match it)."""
     try:
-        record = files.read_json(_record_of(path), RECORD_LIMIT, "a compiled step's record")
+        record = files.read_record(_record_of(path), Recorded, RECORD_LIMIT, "a compiled step's record")
     except AftgenError as exc:
         return files.shown(exc) if os.path.lexists(_record_of(path)) else "no record of its files"
-    recorded = record if isinstance(record, dict) else {}
     for name, path in files_of.items():
         try:
             found = _fingerprint(path)
         except AftgenError as exc:
             return files.shown(exc)
-        if found != recorded.get(name):
+        if Fingerprint(**found) != getattr(record, name):
             return f"{path.name} ({found['size']:,} bytes) is not the file recorded"
     return ""
 

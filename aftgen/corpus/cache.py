@@ -33,7 +33,9 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Annotated
 
+import msgspec
 import numpy as np
 import torch
 
@@ -43,11 +45,10 @@ from aftgen.files import (
     append_durably,
     atomic_write,
     cache_dir,
-    is_count,
     locked_file,
     open_lock,
     open_regular,
-    read_json,
+    read_record,
     still_names,
     truncate,
 )
@@ -84,6 +85,32 @@ def _size(path: Path) -> int:
     except OSError:
         return -1
     return info.st_size if stat.S_ISREG(info.st_mode) else -1
+
+
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Counts(msgspec.Struct):
+    """How far a part's token file has got: spans read whole, characters read of the next, tokens, bytes."""
+
+    span: Count
+    char: Count
+    tokens: Count
+    bytes: Count
+
+
+class Progress(msgspec.Struct):
+    """progress.json: each part's counts."""
+
+    held_out: Counts
+    train: Counts
+
+
+class Manifest(msgspec.Struct):
+    """tokens.json: the ids' dtype and each part's counts (what else it holds is for people)."""
+
+    dtype: str
+    parts: Progress
 
 
 Warn = Callable[[str], None]
@@ -157,28 +184,23 @@ class TokenFiles:
     def _checked(self, name: str, complete: bool) -> tuple[dict, str | None]:
         """A progress record or manifest read from the folder, and what is wrong with it (None: nothing)."""
         try:
-            record = read_json(self.folder / name, RECORD_LIMIT, "the cache's record")
+            record = read_record(self.folder / name, Manifest if complete else Progress, RECORD_LIMIT, "its record")
         except AftgenError as exc:
             return {}, f"unreadable: {exc}"
-        if not isinstance(record, dict):
-            return {}, "not a JSON object"
-        if complete and record.get("dtype") != self.dtype.name:
-            return record, f"dtype {record.get('dtype')!r}, expected {self.dtype.name}"
-        return record, self._problem(record.get("parts") if complete else record, complete)
+        if complete and record.dtype != self.dtype.name:
+            return {}, f"dtype {record.dtype!r}, expected {self.dtype.name}"
+        checked = msgspec.to_builtins(record)
+        return checked, self._problem(checked["parts"] if complete else checked, complete)
 
-    def _problem(self, parts: object, complete: bool) -> str | None:
+    def _problem(self, parts: dict[str, dict[str, int]], complete: bool) -> str | None:
         """What is wrong with the counts of a progress record or manifest (`complete`: every span read), or None.
 
         Its counts must fit the spans (every character is at least a byte, every document at least its
         BOS), the files must hold at least (complete: exactly) its tokens, and every id must be below
         the vocabulary size.
         """
-        if not isinstance(parts, dict):
-            return "its parts are not an object"
         for part in PARTS:
-            counts, spans = parts.get(part), self.spans[part]
-            if not isinstance(counts, dict) or not all(is_count(counts.get(key)) for key in _fresh()):
-                return f"'{part}' lacks a count of span, char, tokens and bytes"
+            counts, spans = parts[part], self.spans[part]
             span, char, tokens = counts["span"], counts["char"], counts["tokens"]
             if span > len(spans) or (span == len(spans) and char) or (span < len(spans) and char > spans[span]):
                 return f"'{part}' stops at character {char} of span {span}, which {len(spans)} spans cannot hold"
