@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
+
 from aftgen.curves import CURVES
 from aftgen.model import AFTConfig
-from aftgen.record import read_run_files
+from aftgen.record import BaseModelRecord, RunInfo, read_run_files
 
 # What a transformers user writes (aftgen.hf: the files that make it work).
 TRANSFORMERS_USE = [
@@ -20,12 +22,14 @@ TRANSFORMERS_USE = [
 
 
 def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str = "", curves: bool = False) -> str:
-    """A Hub-style README.md for a run; `curves`: the folder holds curves.png, shown under the table."""
+    """A Hub-style README.md for a run (`info`: what training.json holds, checked as read_run_files checks it);
+    `curves`: the folder holds curves.png, shown under the table."""
     last = metrics[-1] if metrics else {}
-    final = info.get("final_eval") or {}
+    run = msgspec.convert(info, RunInfo)
+    base, final, best, options = run.base_model, run.final_eval, run.best, run.options
     lines = [
-        *_metadata(info.get("base_model") or {}),
-        f"# {info.get('name', 'aftgen model')}",
+        *_metadata(base),
+        f"# {run.name}",
         "",
         "A causal AFT-local language model (Attention Free Transformer, Zhai et al. 2021) trained with",
         "aftgen. It generates through a recurrent decoder whose memory and per-token cost stay constant",
@@ -33,32 +37,28 @@ def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str =
         "",
         "| | |",
         "|---|---|",
-        f"| parameters | {info.get('parameters', '?'):,} |"
-        if isinstance(info.get("parameters"), int)
-        else "| parameters | ? |",
+        f"| parameters | {run.parameters:,} |" if run.parameters is not None else "| parameters | ? |",
         f"| layers / width / heads | {config.n_layer} / {config.n_embd} / {config.n_head} |",
         f"| mixer / window / training length | {config.mixer} / {config.window} / {config.context_length} tokens |",
-        f"| vocabulary | {config.vocab_size} ({info.get('tokenizer_type', '?')}) |",
-        f"| steps / wall time | {info.get('step', '?')} / {info.get('elapsed', 0):.0f} s |",
+        f"| vocabulary | {config.vocab_size} ({run.tokenizer_type}) |",
+        f"| steps / wall time | {'?' if run.step is None else run.step} / {run.elapsed:.0f} s |",
     ]
-    base = info.get("base_model")
     if base:
-        lines.append(f"| fine-tuned from | {base['model']} (weights sha256 {base['weights_sha256'][:12]}) |")
-    best, options = info.get("best"), info.get("options", {})
-    if options.get("ema"):
-        lines.append(f"| weights | an exponential moving average of the training weights, decay {options['ema']} |")
-    if best and options.get("keep_best"):
-        lines.append(f"| weights kept | step {best['step']}: the best held-out check during training |")
+        lines.append(f"| fine-tuned from | {base.model} (weights sha256 {base.weights_sha256[:12]}) |")
+    if options.ema:
+        lines.append(f"| weights | an exponential moving average of the training weights, decay {options.ema} |")
+    if best and options.keep_best:
+        lines.append(f"| weights kept | step {best.step}: the best held-out check during training |")
     if final:
         lines.append(
-            f"| held-out ({info.get('held_out', {}).get('summary', 'last 10%')}) | "
-            f"{final['nats_per_char']:.4f} nats/char, {final['bits_per_char']:.4f} bits/char |"
+            f"| held-out ({run.held_out.summary}) | "
+            f"{final.nats_per_char:.4f} nats/char, {final.bits_per_char:.4f} bits/char |"
         )
     elif last:
         lines.append(f"| held-out (quick eval) | {last['held_out_nats_per_char']:.4f} nats/char |")
     if curves:
         lines += ["", f"![Training curves: loss, held-out nats/char and learning rate]({CURVES})"]
-    lines += ["", "Trained with:", "", "```", info.get("command", "aftgen train ..."), "```", ""]
+    lines += ["", "Trained with:", "", "```", run.command, "```", ""]
     lines += ["Use it:", "", "```", 'aftgen sample --model PATH_OR_HUB_ID --prompt "..."', "```", ""]
     lines += ["or in Hugging Face transformers (its files are beside the weights; no aftgen needed):", ""]
     lines += TRANSFORMERS_USE
@@ -67,12 +67,12 @@ def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str =
     return "\n".join(lines)
 
 
-def _metadata(base_model: dict) -> list[str]:
+def _metadata(base_model: BaseModelRecord | None) -> list[str]:
     """The card's YAML header: what the Hub filters and links by (base_model names a Hub repo)."""
     header = ["---", "library_name: aftgen", "license: mit", "pipeline_tag: text-generation"]
     header.append("tags: [aftgen, attention-free-transformer, text-generation]")
-    if base_model.get("hub_id"):
-        header.append(f"base_model: {base_model['hub_id']}")
+    if base_model and base_model.hub_id:
+        header.append(f"base_model: {base_model.hub_id}")
     return [*header, "---"]
 
 
