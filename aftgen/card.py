@@ -40,7 +40,7 @@ def model_card(config: AFTConfig, info: dict, metrics: list[dict], sample: str =
         f"| parameters | {run.parameters:,} |" if run.parameters is not None else "| parameters | ? |",
         f"| layers / width / heads | {config.n_layer} / {config.n_embd} / {config.n_head} |",
         f"| mixer / window / training length | {config.mixer} / {config.window} / {config.context_length} tokens |",
-        f"| vocabulary | {config.vocab_size} ({run.tokenizer_type}) |",
+        f"| vocabulary | {config.vocab_size} ({run.tokenizer_type or '?'}) |",
         f"| steps / wall time | {'?' if run.step is None else run.step} / {run.elapsed:.0f} s |",
     ]
     if base:

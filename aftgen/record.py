@@ -72,7 +72,7 @@ class RunInfo(msgspec.Struct):
     name: str = "aftgen model"
     command: str = "aftgen train ..."
     parameters: int | None = None
-    tokenizer_type: str = "?"
+    tokenizer_type: str | None = None  # None: a fine-tuning run, whose tokenizer is its base's
     step: Count | None = None
     elapsed: float = 0.0
     base_model: BaseModelRecord | None = None
