@@ -227,3 +227,31 @@ def test_an_engine_that_keeps_dying_makes_the_server_exit_for_its_supervisor(tin
         server.kill()
     assert server.returncode == 2, rest
     assert rest.strip().splitlines()[-1].startswith("error: the generation process ended 2 times within a minute")
+
+
+def test_a_stop_sent_to_the_whole_group_never_restarts_the_engine(tiny_run):
+    """SIGTERM to the server's process group (systemd's stop, kill -TERM -PGID) reaches its engine too: the server
+    stops, the engine with it, and no line says the engine is started again."""
+    command = [sys.executable, "-m", "aftgen", "serve", "--model", str(tiny_run), "--port", "0", "--no-compile"]
+    server = subprocess.Popen(
+        command, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True
+    )
+    try:
+        address = re.search(r"at (http://\S+)/v1", server.stderr.readline())
+        assert address
+        reply = httpx.post(f"{address[1]}/v1/completions", json={"prompt": "KING:", "max_tokens": 4}, timeout=60)
+        assert reply.status_code == 200
+        os.killpg(server.pid, signal.SIGTERM)
+        _, rest = server.communicate(timeout=60)
+    finally:
+        server.kill()
+    assert server.returncode == -signal.SIGTERM and "again" not in rest, rest  # uvicorn raises it again once shut down
+    wait_for(lambda: not group_alive(server.pid))
+
+
+def group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True

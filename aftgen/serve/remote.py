@@ -8,7 +8,8 @@ rows and 1,600 at one; behind HTTP in one process, 8,300 and 990 (docs/benchmark
 So `aftgen serve` runs the Engine in a child process (`python -m aftgen.serve.remote FD`), and the HTTP side
 talks to it through `EngineProcess`, which offers what Server calls on an Engine: submit, cancel, figures, start,
 stop, publish. They speak length-prefixed JSON over a socket pair: requests' work one way, a turn's events
-the other way in one message. The child ignores Ctrl-C (the parent stops it) and ends when the parent does.
+the other way in one message. The child ignores Ctrl-C and SIGTERM (the parent stops it) and ends when the parent
+does.
 """
 
 from __future__ import annotations
@@ -381,7 +382,10 @@ class EngineProcess:
 
 def _child(connection: Connection) -> None:
     """The child's side: build the engine, then answer the parent's messages until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops this one
+    # Ctrl-C and a stop's SIGTERM reach the whole group: the parent stops this one (a child that died of them
+    # would be started again, as one that died of anything else, while the server shuts down)
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.SIG_IGN)
     given = receive(connection)
     sys.path[:0] = [folder for folder in given["path"] if folder not in sys.path]
     try:
