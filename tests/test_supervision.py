@@ -229,6 +229,28 @@ def test_an_engine_that_keeps_dying_makes_the_server_exit_for_its_supervisor(tin
     assert rest.strip().splitlines()[-1].startswith("error: the generation process ended 2 times within a minute")
 
 
+def test_a_stopped_engine_keeps_no_request_past_the_servers_timeout(tiny_run):
+    """--timeout 5 and the engine stopped (kill -STOP): a stream begun before and a request sent then each end
+    with the 504 of a request past its time, kept by the HTTP side, and the engine serves again after SIGCONT."""
+    options = server_options(tiny_run, timeout=5.0)
+    engine = EngineProcess(options)
+    with serving(options, engine) as url, httpx.Client(timeout=30) as http:
+        stream = Stream(http, url, "KING:", LONG)
+        stream.texts(1)
+        pid = engine.child.process.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            whole = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "KING:"}, timeout=30)
+            streamed = [line for line in stream.lines if line.startswith("data: ")]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert "longer than this server's limit of 5 s" in assert_openai_error(whole, 504)["message"]
+        assert json.loads(streamed[-2][6:])["error"]["message"] == assert_openai_error(whole, 504)["message"]
+        assert streamed[-1] == "data: [DONE]"
+        wait_for(lambda: not engine.tickets)
+        assert post(url, "/v1/completions", json={"prompt": "KING:", "max_tokens": 4}).status_code == 200
+
+
 def test_a_stop_sent_to_the_whole_group_never_restarts_the_engine(tiny_run):
     """SIGTERM to the server's process group (systemd's stop, kill -TERM -PGID) reaches its engine too: the server
     stops, the engine with it, and no line says the engine is started again."""

@@ -28,7 +28,7 @@ from aftgen.serve.engine import Engine
 from aftgen.serve.remote import EngineProcess, EngineUnavailable
 from aftgen.serve.replies import UNREADABLE, Reply, as_json, score_writer, shown_scores
 from aftgen.serve.schema import APIError, controls_body, parse_request
-from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket, merged_texts
+from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket, merged_texts, timed_out
 
 # The page may talk to this server only: its own inline script and style, nothing fetched from elsewhere.
 PLAYGROUND_POLICY = (
@@ -259,18 +259,33 @@ class Server:
         parsed = parse_request(body, chat, self.options, self.engine.tokenizer, self.model_name)
         scored = parsed.work.logprobs is not None
         ticket = self.engine.submit(parsed.work, Inbox((chat, parsed.work.logprobs) if scored else None))
+        expiry = asyncio.get_running_loop().call_later(self.options.timeout, self._expire, ticket)
         reply = Reply(chat, self.model_name, scored)
         watcher = asyncio.create_task(self._watch(request, ticket))
+        ended = True  # the request: all but a stream that has begun
         try:
             first = await self._until_started(ticket, reply, stop_early=parsed.stream)
+            ended = isinstance(first, Gone) or not parsed.stream
         finally:
             watcher.cancel()  # a stream watches for itself (Starlette's StreamingResponse)
+            if ended:
+                expiry.cancel()
         if isinstance(first, Gone):
             return Response(status_code=499)  # nobody is listening; nothing to say
         if not parsed.stream:
             return Response(reply.whole(), media_type="application/json")
-        stream = self._stream(ticket, reply, first, parsed.include_usage)
-        return EventStream(stream, on_close=lambda: self.engine.cancel(ticket))
+
+        def closed() -> None:
+            expiry.cancel()
+            self.engine.cancel(ticket)
+
+        return EventStream(self._stream(ticket, reply, first, parsed.include_usage), on_close=closed)
+
+    def _expire(self, ticket: Ticket) -> None:
+        """--timeout has passed and the engine has not ended the request (it is stopped, or stuck in a turn): it
+        ends here, with the 504 the engine would have sent."""
+        self.engine.cancel(ticket)
+        ticket.inbox.put_nowait(timed_out(self.options.timeout))
 
     async def _watch(self, request: Request, ticket: Ticket) -> None:
         """Cancel the ticket when the client disconnects (while no response has begun)."""

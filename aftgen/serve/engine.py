@@ -43,7 +43,19 @@ from aftgen.serve.batch import Batch, eager_step
 from aftgen.serve.cache import PrefixCache, state_bytes
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.sessions import SessionStore
-from aftgen.serve.work import Done, Event, Failed, Finished, Score, Started, Text, Ticket, Work, merged_texts
+from aftgen.serve.work import (
+    Done,
+    Event,
+    Failed,
+    Finished,
+    Score,
+    Started,
+    Text,
+    Ticket,
+    Work,
+    merged_texts,
+    timed_out,
+)
 from aftgen.tokenizer import Tokenizer
 
 OVERLOADED = "every generation slot is taken and the queue is full; try again shortly"
@@ -279,8 +291,7 @@ class Engine:
 
         def stopped(ticket: Ticket) -> bool:
             if ticket.deadline < now and not ticket.cancelled:
-                limit = self.options.timeout
-                self._emit(ticket, Failed(504, f"the request took longer than this server's limit of {limit:g} s"))
+                self._emit(ticket, timed_out(self.options.timeout))
                 ticket.cancelled = True
             return ticket.cancelled
 

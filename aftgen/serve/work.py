@@ -66,6 +66,11 @@ class Failed:
     param: str | None = None  # the request's field at fault, for a 400
 
 
+def timed_out(limit: float) -> Failed:
+    """A request past --timeout: the engine ends it, or the HTTP side where the engine is stopped or stuck."""
+    return Failed(504, f"the request took longer than this server's limit of {limit:g} s")
+
+
 @dataclass
 class Done:
     """Every choice has finished."""
