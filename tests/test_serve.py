@@ -41,6 +41,7 @@ from aftgen.device import resolve
 from aftgen.model import AFTLM, AFTConfig, clone_state, tokens_read
 from aftgen.sampling import PromptReader, SamplingOptions, generate, read_prompt
 from aftgen.serve import batch as batch_module
+from aftgen.serve import sessions as sessions_module
 from aftgen.serve.app import Server
 from aftgen.serve.batch import Batch, CompiledBatchStep
 from aftgen.serve.engine import TEXT_EVERY, Engine
@@ -992,6 +993,55 @@ def test_the_session_store_counts_and_removes_its_own_files_only(tiny_run, tmp_p
     assert list(SessionStore(model, tokenizer, tmp_path, limit=4, max_files=1).on_disk) == ["b"]
 
 
+def test_a_file_being_written_is_not_removed_for_the_cap(tiny_run, tmp_path):
+    """A session whose file is being written (busy) keeps it past max_files; the next write past the cap takes it."""
+    model, tokenizer = load(tiny_run)
+    store = SessionStore(model, tokenizer, tmp_path, limit=4, max_files=1)
+    context = read_prompt(model, tokenizer, "KING:")
+    store.put("a", context)
+    store.write("b", context)
+    store.keep("b", context, busy={"a"})
+    assert sorted(store.on_disk) == ["a", "b"] and (tmp_path / f"a{SUFFIX}").exists()
+    store.keep("a", context)
+    assert list(store.on_disk) == ["a"] and not (tmp_path / f"b{SUFFIX}").exists()
+
+
+def test_a_session_file_is_written_off_the_engines_thread(tiny_run, tmp_path, monkeypatch):
+    """A session's file slow to write (a slow disk's fsync): another stream runs to its end meanwhile, the
+    session's turn ends only once its file is written, and its next turn, sent meanwhile (its client may leave
+    before the end), waits for it rather than finding the session busy, then continues it."""
+    model, tokenizer = load(tiny_run, device=DEVICE)
+    release, written = threading.Event(), threading.Event()
+    save = sessions_module.save_state
+
+    def slow_save(*args) -> None:
+        release.wait(10)
+        save(*args)
+        written.set()
+
+    monkeypatch.setattr(sessions_module, "save_state", slow_save)
+    engine = Engine(model, tokenizer, ServeOptions(cache_mb=0, sessions_dir=tmp_path), resolve(DEVICE, "fp32"))
+    events: list = []
+    engine.publish = events.extend
+
+    def done(ticket: Ticket, kinds: tuple = (Done,)) -> bool:
+        return any(owner is ticket and isinstance(event, kinds) for owner, event in events)
+
+    session = engine.submit(Work(tokenizer.encode("KING:"), SamplingOptions(max_new_tokens=2), session="s"))
+    other = engine.submit(Work(tokenizer.encode("QUEEN:"), SamplingOptions(max_new_tokens=30)))
+    while not done(other):
+        engine.turn()
+    assert not written.is_set() and not done(session)
+    then = engine.submit(Work(tokenizer.encode(" and"), SamplingOptions(max_new_tokens=2), session="s"))
+    engine.turn()
+    release.set()
+    while not done(then, (Done, Failed)):
+        engine.turn()
+    assert written.is_set() and done(session) and done(then) and list(engine.sessions.on_disk) == ["s"]
+    started = [event for owner, event in events if owner is then and isinstance(event, Started)]
+    assert [event.prompt_tokens for event in started] == [len(tokenizer.encode(" and"))]  # continued: no BOS
+
+
 def test_a_client_gone_while_its_body_is_read_is_no_error(tiny_run):
     """The app returns quietly (a 499 nobody reads) instead of raising ClientDisconnect for uvicorn to log."""
     model, tokenizer = load(tiny_run)
@@ -1014,7 +1064,10 @@ def test_a_client_gone_while_its_body_is_read_is_no_error(tiny_run):
 def test_health_names_the_model_only_to_a_client_with_the_key(url, tiny_run):
     assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok"}
     assert httpx.get(f"{url}/health", headers={"Authorization": "Bearer wrong"}, timeout=10).json() == {"status": "ok"}
-    assert health(url)["model"] == tiny_run.name
+    figures = health(url)
+    assert figures["model"] == tiny_run.name
+    step = {name: figures[name] for name in ("step", "batch_invariant", "step_note")}  # the tests' --no-compile
+    assert step == {"step": "eager", "batch_invariant": False, "step_note": "--no-compile"}
 
 
 def test_a_damaged_session_is_named_without_the_servers_folder(tiny_run, tmp_path):
@@ -1157,40 +1210,75 @@ def test_a_step_that_cannot_be_compiled_runs_eagerly_with_one_line_on_stderr(tin
     step = CompiledBatchStep(model, 4, resolve(DEVICE, "fp32"))
     assert step.step == model.step
     assert capsys.readouterr().err.splitlines() == [f"aftgen serve: the batched step: {note}"]
+    assert step.figures() == {"step": "eager", "batch_invariant": False, "step_note": note}
 
 
-def test_a_server_whose_step_is_still_compiling_steps_eagerly_meanwhile(tiny_run, monkeypatch, capsys):
-    """The compile outlasts the wait: the engine steps with model.step (one line says so), then with the
-    compiled step once it is done, the rows going on as they were."""
-    model, tokenizer = load(tiny_run, device=DEVICE)
+def slow_compile(monkeypatch, model: AFTLM) -> tuple[threading.Event, list[int]]:
+    """Compiles that end when the returned event is set, of a step that notes each batch's rows in the list."""
     done, calls = threading.Event(), []
 
     def compiled(ids, state):
         calls.append(ids.shape[0])
         return model.step(ids, state)
 
-    def slow_compile(model, rows, batch_invariant):
+    def compile_step(model, rows, batch_invariant):
         done.wait(30)
         return compiled, "compiled in 30 s"
 
-    monkeypatch.setattr(batch_module, "compile_step", slow_compile)
+    monkeypatch.setattr(batch_module, "compile_step", compile_step)
+    return done, calls
+
+
+def test_a_server_whose_step_is_still_compiling_admits_nothing_until_it_is_done(tiny_run, monkeypatch, capsys):
+    """The compile outlasts the wait: a request waits, unread and unstepped (one whose time runs out meanwhile
+    gets its 504), and once the step is compiled it gets what `aftgen sample` gives, from the compiled step alone."""
+    model, tokenizer = load(tiny_run, device=DEVICE)
+    done, calls = slow_compile(monkeypatch, model)
     placement = resolve(DEVICE, "fp32")
     engine = Engine(model, tokenizer, ServeOptions(cache_mb=0), placement, CompiledBatchStep(model, 4, placement, 0.1))
     assert "still compiling after 0.1 s" in capsys.readouterr().err
     events: list = []
     engine.publish = events.extend
     options = SamplingOptions(max_new_tokens=8, temperature=0.8, seed=3)
-    ticket = engine.submit(Work(tokenizer.encode("KING:"), options))
+    ticket, late = (engine.submit(Work(tokenizer.encode("KING:"), options)) for _ in range(2))
+    late.deadline = 0.0
     for _ in range(4):
         engine.turn()
-    assert not calls
+    assert [(owner, type(event)) for owner, event in events] == [(late, Failed)]
+    assert engine.stats()["step"] == "compiling"
     done.set()
-    wait_for(lambda: engine.batch.run_step.step is compiled)
+    wait_for(engine.ready)
     while not any(owner is ticket and isinstance(event, Done) for owner, event in events):
         engine.turn()
     assert calls and set(calls) == {1}
     text = "".join(event.text for owner, event in events if owner is ticket and isinstance(event, Text))
     assert text == library_text(tiny_run, "KING:", max_new_tokens=8, temperature=0.8, seed=3)
+    assert {name: engine.stats()[name] for name in ("step", "batch_invariant")} == {
+        "step": "compiled",
+        "batch_invariant": False,
+    }
+
+
+def test_health_is_503_while_the_step_compiles_and_a_request_waits_for_it(tiny_run, monkeypatch):
+    """As llama.cpp's 'Loading model': /health says why it is not ready, a request sent meanwhile waits and then
+    gets the compiled step's text, and /health with the key names the step that serves."""
+    model, tokenizer = load(tiny_run, device=DEVICE)
+    done, calls = slow_compile(monkeypatch, model)
+    options, placement = server_options(tiny_run), resolve(DEVICE, "fp32")
+    engine = Engine(model, tokenizer, options, placement, CompiledBatchStep(model, options.parallel, placement, 0.1))
+    body = {"prompt": "KING:", "max_tokens": 8, "seed": 3, "temperature": 0.8}
+    with serving(options, engine) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = httpx.get(f"{url}/health", timeout=10)
+        assert waiting.status_code == 503 and waiting.json() == {"status": "compiling the step"}
+        reply = pool.submit(post, url, "/v1/completions", json=body)
+        wait_for(lambda: engine.queued == 1)
+        done.set()
+        assert reply.result().json()["choices"][0]["text"] == library_text(
+            tiny_run, "KING:", max_new_tokens=8, seed=3, temperature=0.8
+        )
+        figures = health(url)
+    assert calls and figures["step"] == "compiled" and figures["batch_invariant"] is False
+    assert "step_note" not in figures
 
 
 def engine_processes() -> list[int]:

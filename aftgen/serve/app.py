@@ -24,6 +24,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from aftgen.serve import tokenizing
+from aftgen.serve.batch import COMPILING
 from aftgen.serve.engine import Engine
 from aftgen.serve.remote import EngineProcess, EngineUnavailable
 from aftgen.serve.replies import UNREADABLE, Reply, as_json, score_writer, shown_scores
@@ -156,12 +157,14 @@ class Server:
         return HTMLResponse(page, headers={"Content-Security-Policy": PLAYGROUND_POLICY, "Cache-Control": "no-cache"})
 
     async def health(self, request: Request) -> JSONResponse:
-        """Up (200) only while the engine answers, for anyone (a load balancer has no key): 503 with the reason
-        while it does not. The model and the engine's figures need the key."""
+        """Up (200) only while the engine answers and its step is ready, for anyone (a load balancer has no key):
+        503 with the reason while not. The model and the engine's figures (its step's among them) need the key."""
         try:
             figures = await self.engine.figures()
         except EngineUnavailable as exc:
             return JSONResponse({"status": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+        if figures["step"] == COMPILING:  # requests wait for it meanwhile
+            return JSONResponse({"status": "compiling the step"}, status_code=503, headers={"Retry-After": "1"})
         try:
             self.authorize(request)
         except APIError:

@@ -26,9 +26,10 @@ from aftgen.device import Placement
 from aftgen.mixers import fixed_size_state
 from aftgen.model import AFTLM, ModelState, StepFunction, compile_step, tokens_read
 
-# Seconds a starting server waits for its compiled step. A first compile of a new model can take longer on
-# two cores: the server then answers with the eager step meanwhile, and changes over when it is done.
+# Seconds a starting server waits for its compiled step before it listens. A first compile of a new model can
+# take longer on two cores: the server then listens, /health answers 503 and requests wait until it is done.
 COMPILE_WAIT = 40.0
+COMPILING, COMPILED, EAGER = "compiling", "compiled", "eager"  # what /health says of the step (step_figures)
 
 
 class Batch:
@@ -126,30 +127,45 @@ def rows_apart(step: StepFunction) -> StepFunction:
 
 class CompiledBatchStep:
     """The model's step compiled for 1 to `rows` rows (model.compile_step) under `placement`, as the batch runs
-    it; the eager step (`eager_step`) where compiling fails (one line on stderr says why), and until the
-    compile is done. `batch_invariant`: the step whose rows do not depend on each other (compile_step).
+    it; the eager step (`eager_step`) where compiling fails (one line on stderr says why). `batch_invariant`:
+    the step whose rows do not depend on each other (compile_step).
 
     Made when a server starts, before it listens: it waits `wait` seconds at most for the compile (a second
-    start loads it from the cache in about a second), then goes on eagerly while the compile finishes.
+    start loads it from the cache in about a second). `ready` is set once the step that serves is settled,
+    compiled or eager after a failure, and `on_ready` called: the engine admits nothing before, since the eager
+    step's text rounds otherwise than the compiled step's that would follow it.
     """
 
     def __init__(
         self, model: AFTLM, rows: int, placement: Placement, wait: float = COMPILE_WAIT, batch_invariant: bool = False
     ):
         self.model, self.step, self.batch_invariant = model, eager_step(model, batch_invariant), batch_invariant
+        self.ready, self.on_ready = threading.Event(), lambda: None
+        self.fallback: str | None = None  # why the step is eager, where the compile failed
         compiling = threading.Thread(target=self._compile, args=(rows, placement), name="aftgen-compile", daemon=True)
         compiling.start()
         compiling.join(wait)
         if compiling.is_alive():
-            say(f"the batched step is still compiling after {wait:g} s: it runs eagerly until it is done")
+            say(f"the batched step is still compiling after {wait:g} s: requests wait until it is done")
 
     def _compile(self, rows: int, placement: Placement) -> None:
         with placement.autocast():  # the compiled step is specific to the autocast it runs under
             step, note = compile_step(self.model, rows, self.batch_invariant)
         if step == self.model.step:  # bound methods: equal, never the same object
             say(f"the batched step: {note}")
-            return
-        self.step = step
+            self.fallback = note
+        else:
+            self.step = step
+        self.ready.set()
+        self.on_ready()
+
+    def figures(self) -> dict:
+        """What /health says of the step: compiling, compiled or eager (and then why), batch-invariant or not."""
+        if not self.ready.is_set():
+            return {"step": COMPILING, "batch_invariant": self.batch_invariant}
+        if self.fallback is None:
+            return {"step": COMPILED, "batch_invariant": self.batch_invariant}
+        return {"step": EAGER, "batch_invariant": self.batch_invariant, "step_note": self.fallback}
 
     def __call__(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         return self.step(ids, state)

@@ -19,7 +19,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +39,7 @@ from aftgen.sampling import (
     opening,
     token_scores,
 )
-from aftgen.serve.batch import Batch, eager_step
+from aftgen.serve.batch import EAGER, Batch, CompiledBatchStep, eager_step
 from aftgen.serve.cache import PrefixCache, state_bytes
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.sessions import SessionStore
@@ -119,7 +119,11 @@ class Engine:
         self.sessions = SessionStore(
             model, tokenizer, options.sessions_dir, options.max_sessions, options.max_session_files
         )
-        self.busy_sessions: set[str] = set()
+        self.busy_sessions: set[str] = set()  # a turn is reading, generating or saving each
+        # Session files are written on a thread of their own, in the order given: the fsync would hold every
+        # stream's turn. A session's turn ends (its Finished and Done) once its file is written.
+        self.session_writer = ThreadPoolExecutor(1, thread_name_prefix="aftgen-sessions")
+        self.saving: deque[tuple[Row, Future]] = deque()
         self.incoming: deque[Ticket] = deque()
         self.waiting: deque[Ticket] = deque()
         self.reading: deque[Reader] = deque()
@@ -132,6 +136,9 @@ class Engine:
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.compiler = ThreadPoolExecutor(1, "aftgen-constraints")  # compiles constraints outside the turns
+        self.compiled = step if isinstance(step, CompiledBatchStep) else None  # None: a step ready at once
+        if self.compiled is not None:
+            self.compiled.on_ready = self.wake.set  # requests may be waiting for it
 
     # --- the HTTP side's calls (any thread) ---
 
@@ -145,6 +152,7 @@ class Engine:
         self.compiler.shutdown(wait=False, cancel_futures=True)
         if self.thread is not None:
             self.thread.join()
+        self.session_writer.shutdown()  # the files being written are written
 
     def submit(self, work: Work, inbox: object = None) -> Ticket:
         """Queue a request whose events go to `inbox` (see `publish`). When every row is taken and the queue
@@ -210,7 +218,18 @@ class Engine:
             "session_files": len(self.sessions.on_disk),
             "state_bytes": self.state_bytes,
             "threads": torch.get_num_threads(),
-        }
+        } | self.step_figures()
+
+    def step_figures(self) -> dict:
+        """Which step serves (batch.COMPILING while it is not ready), whether it is batch-invariant, and why it is
+        eager where it is."""
+        if self.compiled is not None:
+            return self.compiled.figures()
+        return {"step": EAGER, "batch_invariant": bool(self.options.batch_invariant), "step_note": "--no-compile"}
+
+    def ready(self) -> bool:
+        """The step that serves is settled: until then requests wait, so no text comes from another step."""
+        return self.compiled is None or self.compiled.ready.is_set()
 
     # --- the engine thread ---
 
@@ -227,13 +246,25 @@ class Engine:
                     self._flush(at_once=True)
 
     def _has_work(self) -> bool:
-        return bool(self.batch.rows or self.reading or self.waiting or self.incoming)
+        saved = self.saving and self.saving[0][1].done()
+        return bool(self.batch.rows or self.reading or self.incoming or saved or self._admissible())
+
+    def _admissible(self) -> bool:
+        """Some request waiting could be taken in: none before the step is ready, nor one whose session's last
+        turn is being saved (the step's compile and each save wake the loop when they end)."""
+        saving = self._saving_sessions()
+        return self.ready() and any(ticket.work.session not in saving for ticket in self.waiting)
+
+    def _saving_sessions(self) -> set[str]:
+        return {row.ticket.work.session for row, _ in self.saving}
 
     def _sleep(self) -> None:
         """Nothing to do: sleep until work comes (submit, cancel and stop wake the loop), text waiting here is
         due, or the process is to give its cores back. An idle server wakes for nothing else: a wake costs a
         2-core VM about 5 ms of CPU (caches gone cold), so waking twice a second cost 1% of a core."""
         due = [self.sent + TEXT_EVERY - self.clock()] if self.outbox else []
+        if self.waiting:  # requests waiting for the step: their deadlines are kept meanwhile
+            due.append(min(ticket.deadline for ticket in self.waiting) - self.clock())
         if (give_back := cores.idle_for()) is not None:
             due.append(give_back)
         self.wake.wait(min(due, default=None))
@@ -250,6 +281,7 @@ class Engine:
             self.waiting.extend(self.incoming)
             self.incoming.clear()
         self._drop_stopped()
+        self._saved()
         self._admit()
         self._read()
         self._step()
@@ -305,15 +337,24 @@ class Engine:
         self._finish([row for row in self.batch.rows if stopped(row.ticket)])
 
     def _admit(self) -> None:
-        """Start reading the prompts of queued requests, first come first served, while rows are free."""
+        """Start reading the prompts of queued requests, first come first served, while rows are free (once the
+        step is ready). One for a session whose last turn is being saved keeps its place until that turn's file is
+        written, then reads what it wrote: its client may have left before that turn's end, and goes on."""
+        if not self.ready():
+            return
+        saving, deferred = self._saving_sessions(), []
         while self.waiting and self.occupied() + self.waiting[0].work.n <= self.options.parallel:
             ticket = self.waiting.popleft()
+            if ticket.work.session in saving:
+                deferred.append(ticket)
+                continue
             self._dequeued()
             reader = self._reader(ticket)
             if isinstance(reader, Failed):
                 self._emit(ticket, reader)
             else:
                 self.reading.append(reader)
+        self.waiting.extendleft(reversed(deferred))
 
     def _reader(self, ticket: Ticket) -> Reader | Failed:
         """Where the request's prompt starts reading: a session's context, a cached prefix, or nothing."""
@@ -512,12 +553,14 @@ class Engine:
             return
         if session is not None:
             stream.end(final=False)  # an unfinished character waits in the context for the next request
-            failed = self._keep_session(session, stream.context)
-            if failed is not None:
-                self._emit(ticket, failed)
-                return
-        else:
-            self._text(row, stream.end(final=True), rest=not stream.stops.stopped)  # a stop string's tokens: none
+            self._keep_session(row)
+            return
+        self._text(row, stream.end(final=True), rest=not stream.stops.stopped)  # a stop string's tokens: none
+        self._close(row)
+
+    def _close(self, row: Row) -> None:
+        """The row's finish, its conversation cached, and its request's end once every row has finished."""
+        ticket, stream = row.ticket, row.stream
         self._emit(ticket, Finished(row.index, "stop" if stream.stopped else "length", stream.produced))
         if row.prompt and self.cache is not None:
             self._remember_reply(row)
@@ -525,17 +568,41 @@ class Engine:
         if ticket.unfinished == 0:
             self._emit(ticket, Done())
 
-    def _keep_session(self, name: str, context: Context) -> Failed | None:
-        """Keep a session's context after its turn; a file that cannot be written fails this request
-        alone, and the session stays as it was before the turn."""
+    def _keep_session(self, row: Row) -> None:
+        """Keep a session's context after its turn, its file written by the session writer (the turn ends in
+        `_saved` then); the session stays busy until then, so no turn reads it before its latest write."""
+        name, context = row.ticket.work.session, row.stream.context
+        if self.sessions.folder is None:
+            self._session_saved(row, None)
+            return
+        saving = self.session_writer.submit(self._write_session, name, context)
+        saving.add_done_callback(lambda _: self.wake.set())
+        self.saving.append((row, saving))
+
+    def _write_session(self, name: str, context: Context) -> Failed | None:
+        """On the session writer's thread: the session's file; a file that cannot be written fails this
+        request alone, and the session stays as it was before the turn."""
         try:
-            self.sessions.put(name, context)
+            self.sessions.write(name, context)
         except (AftgenError, OSError) as exc:
             message = f"session '{name}' could not be saved ({exc}); it stays as it was before this request"
             return Failed(500, message, "server_error", "session_not_saved")
-        finally:
-            self.busy_sessions.discard(name)
         return None
+
+    def _saved(self) -> None:
+        """End the turns whose session files are written, in the order they were given to the writer."""
+        while self.saving and self.saving[0][1].done():
+            row, saving = self.saving.popleft()
+            self._session_saved(row, saving.result())
+
+    def _session_saved(self, row: Row, failed: Failed | None) -> None:
+        name = row.ticket.work.session
+        self.busy_sessions.discard(name)
+        if failed is not None:
+            self._emit(row.ticket, failed)
+            return
+        self.sessions.keep(name, row.stream.context, busy=self.busy_sessions)
+        self._close(row)
 
     def _remember_reply(self, row: Row) -> None:
         """Cache the conversation as the client will send it next: the prompt, then the reply read as text.

@@ -74,19 +74,34 @@ class SessionStore:
         Raises AftgenError, naming the file but not its folder, if the file cannot be written; the
         session then stays as it was, in memory and on disk.
         """
+        if self.folder is not None:
+            self.write(name, context)
+        self.keep(name, context)
+
+    def write(self, name: str, context: Context) -> None:
+        """The session's file alone, written atomically (any thread: the store's records are left to `keep`).
+        Raises AftgenError as `put` does."""
         path = self.path(name)
-        if path is not None:
-            with _folder_unsaid(path):
-                save_state(path, context, self.model, self.tokenizer)
-            self._count_file(name)
+        with _folder_unsaid(path):
+            save_state(path, context, self.model, self.tokenizer)
+
+    def keep(self, name: str, context: Context, busy: set[str] = frozenset()) -> None:
+        """The session's context held, once its file (if there is a folder) is written. Past max_files the least
+        recently saved file goes, and its session, unless it is `busy` (its own file may be being written: it goes
+        at a later turn's write)."""
+        if self.folder is not None:
+            self._count_file(name, busy)
         self._hold(name, context)
 
-    def _count_file(self, name: str) -> None:
+    def _count_file(self, name: str, busy: set[str]) -> None:
         """A session's file was just written: past max_files the least recently saved one goes, and its session."""
         self.on_disk[name] = None
         self.on_disk.move_to_end(name)
         while len(self.on_disk) > self.max_files:
-            oldest, _ = self.on_disk.popitem(last=False)
+            oldest = next((saved for saved in self.on_disk if saved not in busy and saved != name), None)
+            if oldest is None:
+                return
+            del self.on_disk[oldest]
             self.held.pop(oldest, None)
             with contextlib.suppress(OSError):  # gone already, or something else in its place: not ours to fix
                 self.path(oldest).unlink()
