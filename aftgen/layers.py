@@ -21,8 +21,8 @@ among any others.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import sys
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -32,8 +32,18 @@ from torch import nn
 from aftgen.compiled_cache import CacheUnusable
 from aftgen.rowdot import RowdotUnavailable, bf16_tiles, library, rowdot
 
-_WRITTEN = contextvars.ContextVar("written_products", default=False)
-_INVARIANT = contextvars.ContextVar("invariant_products", default=False)
+KERNELS, WRITTEN, ROWDOT = "kernels", "written out", "rowdot"  # how `linear` multiplies (_products)
+
+
+class _Products(threading.local):
+    """How `linear` multiplies in this thread (a server exports its step in one thread while it steps eagerly in
+    another). A plain attribute, not a context variable: torch.compile reads it once, as it traces, and bakes the
+    choice into the graph (a ContextVar's get is a call it cannot trace, and the whole graph fell back to eager)."""
+
+    mode = KERNELS
+
+
+_PRODUCTS = _Products()
 BATCH_INVARIANT_HELP = (
     "Make a row's numbers the same whatever else shares the step, so a seeded request gives the same text alone "
     "or beside others. Default: on for a compiled step on a CPU with float32 weights or AMX (as fast as the "
@@ -59,33 +69,34 @@ def batch_invariant(asked: bool | None, device: torch.device, compiled: bool, we
 
 
 @contextlib.contextmanager
-def written_products() -> Iterator[None]:
+def _products(mode: str) -> Iterator[None]:
+    """Within it, in this thread, `linear` multiplies as `mode` says."""
+    before, _PRODUCTS.mode = _PRODUCTS.mode, mode
+    try:
+        yield
+    finally:
+        _PRODUCTS.mode = before
+
+
+def written_products() -> contextlib.AbstractContextManager[None]:
     """Within it, `linear` is written out as a multiply and a sum over the input, for a compiler to fuse (only
     for tracing: run eagerly, it would make every product in memory first)."""
-    token = _WRITTEN.set(True)
-    try:
-        yield
-    finally:
-        _WRITTEN.reset(token)
+    return _products(WRITTEN)
 
 
-@contextlib.contextmanager
-def invariant_products() -> Iterator[None]:
+def invariant_products() -> contextlib.AbstractContextManager[None]:
     """Within it, `linear` multiplies through aftgen.rowdot: a row's product is the same alone or in a batch."""
-    token = _INVARIANT.set(True)
-    try:
-        yield
-    finally:
-        _INVARIANT.reset(token)
+    return _products(ROWDOT)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weightᵀ + bias; with weights stored lower than float32, x multiplies in their dtype and the
     product comes back in float32."""
-    if _INVARIANT.get():
+    mode = _PRODUCTS.mode  # read once as a compiler traces: the graph multiplies one way
+    if mode == ROWDOT:
         rows = x.reshape(-1, x.shape[-1]).float()
         product = rowdot(rows, weight).view(*x.shape[:-1], weight.shape[0])
-    elif _WRITTEN.get():
+    elif mode == WRITTEN:
         product = _written_product(x.to(weight.dtype), weight)
     elif weight.dtype == torch.float32:
         return F.linear(x, weight, bias)

@@ -14,6 +14,7 @@ import json
 import math
 import operator
 import os
+import sys
 import time
 import typing
 import warnings
@@ -31,7 +32,7 @@ from aftgen.compiled_cache import CacheUnusable, cached_package, compiled_folder
 from aftgen.device import Compiled, failure_line
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_open, own_source
-from aftgen.layers import Linear, invariant_products, linear, written_products
+from aftgen.layers import ROWDOT, WRITTEN, Linear, invariant_products, linear, written_products
 from aftgen.mixers import MIXERS, MixerState, make_mixer
 
 ModelState = list[MixerState]  # one mixer state per layer
@@ -340,7 +341,12 @@ def _compiled(function: Callable, warm_up: Callable[[Callable], object]) -> tupl
         warm_up(compiled)
     if compiled.failure is not None:
         return function, f"eager (torch.compile failed: {compiled.failure})"
+    compiled.warn = _said_on_stderr  # a later compile that fails (a shape not warmed up on) falls back, said
     return compiled, f"compiled in {time.perf_counter() - start:.1f} s"
+
+
+def _said_on_stderr(failure: str) -> None:
+    print(f"warning: torch.compile failed, running eagerly: {failure}", file=sys.stderr, flush=True)
 
 
 # The step is compiled ahead of time (torch.export, then AOTInductor) rather than through torch.compile:
@@ -364,7 +370,6 @@ WRITTEN_CONFIG = {"emulate_precision_casts": True}  # written-out products round
 # The kinds of step package: the matrix kernels' (a batch's); a single row's with its products written out, for
 # weights stored lower (faster than the bf16 kernels at one row); and the batch-invariant one (aftgen.layers).
 KERNELS, ONE_ROW_WRITTEN, BATCH_INVARIANT = "kernels", "one row written out", "batch-invariant"
-WRITTEN, ROWDOT = "written out", "rowdot"  # how a package that is not KERNELS multiplies (_products)
 STEP_PACKAGE_FORMAT = 4  # bump when what a package holds or takes changes (4: a position per row)
 # The batch-invariant step (`compile_step(..., batch_invariant=True)`): one package serves 1 to MAX_ROWS rows
 # (aftgen.serve.options: --parallel at most), so every server and `aftgen sample --compile --batch-invariant`
