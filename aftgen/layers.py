@@ -24,13 +24,14 @@ import contextlib
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from aftgen.compiled_cache import CacheUnusable
-from aftgen.rowdot import RowdotUnavailable, bf16_tiles, library, rowdot
+from aftgen.rowdot import RowdotUnavailable, library, rowdot
 
 KERNELS, WRITTEN, ROWDOT = "kernels", "written out", "rowdot"  # how `linear` multiplies (_products)
 
@@ -46,26 +47,60 @@ class _Products(threading.local):
 _PRODUCTS = _Products()
 BATCH_INVARIANT_HELP = (
     "Make a row's numbers the same whatever else shares the step, so a seeded request gives the same text alone "
-    "or beside others. Default: on for a compiled step on a CPU with float32 weights or AMX (as fast as the "
-    "matrix kernels there); off on a GPU (its products written out) and for the eager step (rows stepped apart)."
+    "or beside others. Default: on for a compiled step on a CPU, whatever the weights' dtype and the CPU's units, "
+    "unless a server, timing its compiled step at start, finds it over 10% slower than the matrix kernels' (one line "
+    "then says so); off on a GPU (its products written out) and for the eager step (rows stepped apart)."
 )
+# The most the batch-invariant step may take against the matrix kernels' step, at 1 row or at a batch, for it to
+# stay the default: beyond it a server is faster without it, and says so.
+SLOWER_AT_MOST = 1.10
 
 
-def batch_invariant(asked: bool | None, device: torch.device, compiled: bool, weights: torch.dtype) -> bool:
-    """--batch-invariant as given, else on where it costs nothing: a compiled step on a CPU whose products
-    aftgen.rowdot runs as fast as the matrix kernels (float32 weights, or bf16 ones on AMX). Off on a GPU, whose
-    products it writes out, for the eager step, whose rows it steps one at a time, for bf16 weights without AMX
-    (widened as they are read), and where rowdot cannot be built (one line says why)."""
-    if asked is not None or not compiled or device.type != "cpu":
-        return bool(asked)
+@dataclass(frozen=True)
+class Invariance:
+    """Whether the step is batch-invariant; where it is not, why (one line: what a server reports); and whether it
+    is so by default, to be confirmed by timing the compiled step against the other (aftgen.serve.batch)."""
+
+    on: bool
+    reason: str | None = None
+    by_default: bool = False
+
+
+def batch_invariant(asked: bool | None, device: torch.device, compiled: bool) -> Invariance:
+    """--batch-invariant as given; else on for a compiled step on a CPU, whatever the weights' dtype and the
+    CPU's units (a server then times it against the matrix kernels' step: `judged`). Off on a GPU, whose
+    products it writes out, for the eager step, whose rows it steps one at a time, and where rowdot cannot be
+    built (one line says why)."""
+    if asked is not None:
+        return Invariance(asked, None if asked else "--no-batch-invariant")
+    if device.type != "cpu":
+        return Invariance(False, "a GPU's step is batch-invariant only when asked (--batch-invariant)")
+    if not compiled:
+        return Invariance(False, "the eager step is batch-invariant only when asked (--batch-invariant)")
     try:
         library()  # built and loaded now: where it cannot be, the step is the matrix kernels', not rows apart
-    except CacheUnusable:  # the compile, which needs the cache too, will say why
-        return False
+    except CacheUnusable as exc:  # the compile, which needs the cache too, will say why
+        return Invariance(False, f"aftgen.rowdot cannot be loaded: {exc}")
     except (RowdotUnavailable, OSError) as exc:
         print(f"warning: {exc}: the step is not batch-invariant", file=sys.stderr, flush=True)
-        return False
-    return weights == torch.float32 or bf16_tiles()
+        return Invariance(False, str(exc))
+    return Invariance(True, by_default=True)
+
+
+def judged(times: dict[int, tuple[float, float]]) -> Invariance:
+    """The default confirmed by timing: on unless, at some number of rows, the batch-invariant step's time
+    (`times`: rows -> (its seconds, the matrix kernels' step's)) is over SLOWER_AT_MOST times the other's; then
+    off, said in one line on stderr with what it costs."""
+    rows, (invariant, kernels) = max(times.items(), key=lambda item: item[1][0] / item[1][1])
+    if invariant <= SLOWER_AT_MOST * kernels:
+        return Invariance(True, by_default=True)
+    reason = (
+        f"it took {invariant / kernels:.2f}x the matrix kernels' step here at {rows} row"
+        f"{'s' * (rows > 1)} ({invariant * 1e3:.2f} against {kernels * 1e3:.2f} ms)"
+    )
+    print(f"warning: the step is not batch-invariant: {reason}; --batch-invariant makes a seeded request's text "
+          f"the same alone and among others at that cost", file=sys.stderr, flush=True)  # fmt: skip
+    return Invariance(False, reason, by_default=True)
 
 
 @contextlib.contextmanager

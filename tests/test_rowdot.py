@@ -134,16 +134,35 @@ def refused():
     raise rowdot.RowdotUnavailable("cannot build the batch-invariant product: g++ said: no")
 
 
-@pytest.mark.parametrize("tiles", [True, False], ids=["AMX", "no AMX"])
-def test_batch_invariance_by_default_only_where_rowdot_serves_a_compiled_cpu_step(tiles, monkeypatch, capsys):
-    cpu, gpu, fp32, bf16 = torch.device("cpu"), torch.device("cuda"), torch.float32, torch.bfloat16
+def test_batch_invariance_by_default_where_rowdot_serves_a_compiled_cpu_step(monkeypatch, capsys):
+    """Whatever the CPU's units and the weights' dtype (not asked): on by default for a compiled CPU step, to be
+    timed; off on a GPU, for the eager step, and where rowdot cannot be built; as asked where asked."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(layers, "library", lambda: None)
-    monkeypatch.setattr(layers, "bf16_tiles", lambda: tiles)
-    assert layers.batch_invariant(None, cpu, True, fp32) and layers.batch_invariant(None, cpu, True, bf16) == tiles
-    assert not layers.batch_invariant(None, cpu, False, fp32) and not layers.batch_invariant(None, gpu, True, fp32)
-    assert layers.batch_invariant(True, gpu, False, bf16) and not layers.batch_invariant(False, cpu, True, fp32)
+    assert layers.batch_invariant(None, cpu, True) == layers.Invariance(True, by_default=True)
+    assert not layers.batch_invariant(None, cpu, False).on and not layers.batch_invariant(None, gpu, True).on
+    assert layers.batch_invariant(True, gpu, False) == layers.Invariance(True)
+    assert layers.batch_invariant(False, cpu, True) == layers.Invariance(False, "--no-batch-invariant")
+    assert capsys.readouterr().err == ""
     monkeypatch.setattr(layers, "library", refused)
-    assert not layers.batch_invariant(None, cpu, True, fp32)
+    assert not layers.batch_invariant(None, cpu, True).on
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["warning: cannot build the batch-invariant product: g++ said: no: the step is not batch-invariant"]
-    assert layers.batch_invariant(True, cpu, True, fp32)  # asked for: it is, or compiling it says why not
+    assert layers.batch_invariant(True, cpu, True).on  # asked for: it is, or compiling it says why not
+
+
+def test_the_default_stays_on_unless_timed_over_a_tenth_slower(capsys):
+    """The timings are given (rows -> the invariant step's seconds, the matrix kernels' step's): no clock here."""
+    on = layers.Invariance(True, by_default=True)
+    assert layers.judged({1: (1.0, 1.0), 32: (2.2, 2.0)}) == on  # a tenth slower at most: on
+    assert layers.judged({1: (0.5, 1.0), 32: (0.9, 2.0)}) == on
+    assert capsys.readouterr().err == ""
+    slower = layers.judged({1: (1.0, 1.0), 32: (2.25, 2.0)})
+    assert not slower.on and slower.reason == (
+        "it took 1.12x the matrix kernels' step here at 32 rows (2250.00 against 2000.00 ms)"
+    )
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: the step is not batch-invariant: {slower.reason}; --batch-invariant makes a seeded request's "
+        "text the same alone and among others at that cost"
+    ]
+    assert not layers.judged({1: (1.2, 1.0), 32: (1.0, 2.0)}).on  # at either number of rows

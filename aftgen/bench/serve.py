@@ -241,9 +241,9 @@ class Ceiling:
         self.placement: Placement = resolve(options.device, options.dtype, generating=True)
         self.model: AFTLM = load(options.model, self.placement.device)[0].eval().lower_weights(self.placement.weights)
         self.threads = threads
-        invariant = batch_invariant(options.batch_invariant, self.placement.device, True, self.placement.weights)
+        invariance = batch_invariant(options.batch_invariant, self.placement.device, True)
         # the server's step: --parallel 32
-        self.step = CompiledBatchStep(self.model, max(STREAMS), self.placement, batch_invariant=invariant)
+        self.step = CompiledBatchStep(self.model, max(STREAMS), self.placement, invariance=invariance)
 
     @torch.inference_mode()
     def tokens_per_s(self, streams: int, steps: int) -> float:

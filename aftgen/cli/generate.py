@@ -145,7 +145,7 @@ def _load_for_generation(
     context = read_state(load_state, lm, tokenizer) if load_state else None
     step = lm.step
     if compile_step:
-        invariant = layers.batch_invariant(batch_invariant, where.device, True, where.weights)
+        invariant = layers.batch_invariant(batch_invariant, where.device, True).on
         step, note = compiled(lm, batch_invariant=invariant)
         print(f"step: {note}", file=sys.stderr)
     return lm, tokenizer, context, step

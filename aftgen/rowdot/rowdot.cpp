@@ -230,16 +230,28 @@ void vector_product_base(const float* x, int64_t M, int64_t K, const void* w, bo
     vector_product<4, 2, 2>(x, M, K, w, w_is_bf16, n_from, N, y);
 }
 
-VectorProduct machine_vector_product() {
+// How many levels this machine runs: base (0), then x86-64-v3 (1) and v4 (2) where it has them.
+int machine_levels() {
 #if defined(__x86_64__)
     __builtin_cpu_init();  // this runs as the library loads, perhaps before the compiler's runtime has looked
-    if (__builtin_cpu_supports("x86-64-v4")) return vector_product_v4;
-    if (__builtin_cpu_supports("x86-64-v3")) return vector_product_v3;
+    if (__builtin_cpu_supports("x86-64-v4")) return 3;
+    if (__builtin_cpu_supports("x86-64-v3")) return 2;
 #endif
+    return 1;
+}
+
+VectorProduct at_level(int level) {
+#if defined(__x86_64__)
+    if (level == 2) return vector_product_v4;
+    if (level == 1) return vector_product_v3;
+#endif
+    (void)level;
     return vector_product_base;
 }
 
-const VectorProduct VECTOR_PRODUCT = machine_vector_product();
+const int LEVELS = machine_levels();
+// The machine's highest level, unless a test asks for a lower one (aftgen_rowdot_use).
+VectorProduct VECTOR_PRODUCT = at_level(LEVELS - 1);
 
 #if defined(__x86_64__)
 
@@ -263,6 +275,7 @@ bool cpu_has_amx_bf16() {
 }
 
 const bool HAS_AMX = cpu_has_amx_bf16();
+bool USE_AMX = HAS_AMX;  // unless a test leaves the tiles out (aftgen_rowdot_use)
 
 // x (M, K) as B tiles, one per (input block, row block): tile[p][2 m + j] = bf16(x[row0 + m][k0 + 2 p + j]),
 // rows past M zero (an even number of row blocks). Laid out tiles[k_block][m_block][16 * 32].
@@ -334,10 +347,27 @@ extern "C" {
 // Which kernel a w of this dtype and shape goes through on this machine: "amx" or "vector".
 const char* aftgen_rowdot_kernel(int w_is_bf16, int64_t N, int64_t K) {
 #if defined(__x86_64__)
-    if (w_is_bf16 && HAS_AMX && K % TILE_INPUTS == 0 && N >= TILE) return "amx";
+    if (w_is_bf16 && USE_AMX && K % TILE_INPUTS == 0 && N >= TILE) return "amx";
 #endif
     (void)w_is_bf16, (void)N, (void)K;
     return "vector";
+}
+
+// How many levels of the vector kernel this machine runs (aftgen_rowdot_use's levels 0 .. this - 1).
+int aftgen_rowdot_levels() { return LEVELS; }
+
+// For tests: every later product, the step packages' too, through the vector kernel of `level` (-1: the machine's
+// highest) and the AMX tiles or not. Returns 0, or -1 where this machine cannot run that level or has no tiles.
+int aftgen_rowdot_use(int level, int amx) {
+    if (level < -1 || level >= LEVELS) return -1;
+#if defined(__x86_64__)
+    if (amx && !HAS_AMX) return -1;
+    USE_AMX = amx;
+#else
+    if (amx) return -1;
+#endif
+    VECTOR_PRODUCT = at_level(level == -1 ? LEVELS - 1 : level);
+    return 0;
 }
 
 // y (M, N) = x (M, K) @ w (N, K)^T, w float32 or bf16 (`w_is_bf16`). `vector_only`: skip AMX (for tests).

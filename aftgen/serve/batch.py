@@ -17,12 +17,16 @@ still however busy the server gets.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
+import time
+from collections.abc import Callable
 
 import torch
 
 from aftgen.device import Placement
+from aftgen.layers import Invariance, judged
 from aftgen.mixers import fixed_size_state
 from aftgen.model import AFTLM, ModelState, StepFunction, compile_step, tokens_read
 
@@ -30,6 +34,7 @@ from aftgen.model import AFTLM, ModelState, StepFunction, compile_step, tokens_r
 # take longer on two cores: the server then listens, /health answers 503 and requests wait until it is done.
 COMPILE_WAIT = 40.0
 COMPILING, COMPILED, EAGER = "compiling", "compiled", "eager"  # what /health says of the step (step_figures)
+KERNELS_STEP = Invariance(False)  # a step not asked to be batch-invariant: the matrix kernels'
 
 
 class Batch:
@@ -127,8 +132,11 @@ def rows_apart(step: StepFunction) -> StepFunction:
 
 class CompiledBatchStep:
     """The model's step compiled for 1 to `rows` rows (model.compile_step) under `placement`, as the batch runs
-    it; the eager step (`eager_step`) where compiling fails (one line on stderr says why). `batch_invariant`:
-    the step whose rows do not depend on each other (compile_step).
+    it; the eager step (`eager_step`) where compiling fails (one line on stderr says why). `invariance`
+    (aftgen.layers.batch_invariant): whether its rows do not depend on each other (compile_step); where that is
+    only the default, the step compiled is timed against the matrix kernels' one and kept unless over a tenth
+    slower (`timed_steps`). The decision stays as `batch_invariant`, and where it is off, why, in one line, as
+    `batch_invariant_reason`.
 
     Made when a server starts, before it listens: it waits `wait` seconds at most for the compile (a second
     start loads it from the cache in about a second). `ready` is set once the step that serves is settled,
@@ -137,9 +145,16 @@ class CompiledBatchStep:
     """
 
     def __init__(
-        self, model: AFTLM, rows: int, placement: Placement, wait: float = COMPILE_WAIT, batch_invariant: bool = False
+        self,
+        model: AFTLM,
+        rows: int,
+        placement: Placement,
+        wait: float = COMPILE_WAIT,
+        invariance: Invariance = KERNELS_STEP,
     ):
-        self.model, self.step, self.batch_invariant = model, eager_step(model, batch_invariant), batch_invariant
+        self.model, self.invariance = model, invariance
+        self.batch_invariant, self.batch_invariant_reason = invariance.on, invariance.reason
+        self.step = eager_step(model, self.batch_invariant)
         self.ready, self.on_ready = threading.Event(), lambda: None
         self.fallback: str | None = None  # why the step is eager, where the compile failed
         compiling = threading.Thread(target=self._compile, args=(rows, placement), name="aftgen-compile", daemon=True)
@@ -151,6 +166,8 @@ class CompiledBatchStep:
     def _compile(self, rows: int, placement: Placement) -> None:
         with placement.autocast():  # the compiled step is specific to the autocast it runs under
             step, note = compile_step(self.model, rows, self.batch_invariant)
+            if step != self.model.step and self.invariance.by_default:
+                step = self._timed(step, rows)
         if step == self.model.step:  # bound methods: equal, never the same object
             say(f"the batched step: {note}")
             self.fallback = note
@@ -160,15 +177,57 @@ class CompiledBatchStep:
         self.on_ready()
 
     def figures(self) -> dict:
-        """What /health says of the step: compiling, compiled or eager (and then why), batch-invariant or not."""
-        if not self.ready.is_set():
-            return {"step": COMPILING, "batch_invariant": self.batch_invariant}
-        if self.fallback is None:
-            return {"step": COMPILED, "batch_invariant": self.batch_invariant}
-        return {"step": EAGER, "batch_invariant": self.batch_invariant, "step_note": self.fallback}
+        """What /health says of the step: compiling, compiled or eager (and then why), batch-invariant or not
+        (and where not, why)."""
+        figures = {"step": COMPILING, "batch_invariant": self.batch_invariant}
+        if self.ready.is_set():
+            figures["step"] = COMPILED if self.fallback is None else EAGER
+        if self.fallback is not None:
+            figures["step_note"] = self.fallback
+        if self.batch_invariant_reason is not None:
+            figures["batch_invariant_note"] = self.batch_invariant_reason
+        return figures
+
+    def _timed(self, invariant: StepFunction, rows: int) -> StepFunction:
+        """The batch-invariant step, unless timed here over a tenth slower than the matrix kernels' (compiled
+        too, or loaded from the cache): then that one, the decision and its reason kept."""
+        kernels, _ = compile_step(self.model, rows, batch_invariant=False)
+        if kernels == self.model.step:  # nothing compiled to compare with
+            return invariant
+        decided = judged(timed_steps(self.model, invariant, kernels, rows))
+        self.batch_invariant, self.batch_invariant_reason = decided.on, decided.reason
+        return invariant if decided.on else kernels
 
     def __call__(self, ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         return self.step(ids, state)
+
+
+TIMED_ROWS = 32  # the batch a step is timed at besides one row: aftgen serve's default --parallel
+TIMED_CALLS = 5  # calls of a step a timing takes (the best of aftgen.training.recipe.fastest_of's rounds)
+
+
+@torch.inference_mode()
+def timed_steps(model: AFTLM, invariant: StepFunction, kernels: StepFunction, rows: int) -> dict[int, tuple]:
+    """At 1 row and at min(`rows`, TIMED_ROWS): the seconds a call of each step takes (invariant's, kernels'),
+    from initial states, the best of a few calls timed in turn: a few dozen steps in all."""
+    from aftgen.training.recipe import fastest_of
+
+    times = {}
+    for count in sorted({1, min(rows, TIMED_ROWS)}):
+        ids = torch.zeros(count, dtype=torch.long, device=model.embed.weight.device)
+        calls = {step: functools.partial(step, ids, model.initial_state(count)) for step in (invariant, kernels)}
+        for call in calls.values():  # the first call of a package pages it in
+            call()
+        speeds = fastest_of(list(calls), lambda step, calls=calls: TIMED_CALLS / _seconds(calls[step]))
+        times[count] = (1 / speeds[invariant], 1 / speeds[kernels])
+    return times
+
+
+def _seconds(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    for _ in range(TIMED_CALLS):
+        call()
+    return time.perf_counter() - start
 
 
 def say(line: str) -> None:

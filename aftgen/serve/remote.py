@@ -467,11 +467,11 @@ def build_engine(options: ServeOptions) -> Engine:
             f"aftgen serve batches fixed-size states; a {model.config.mixer} model's state grows with its stream"
         )
     model.eval().lower_weights(where.weights)
-    invariant = batch_invariant(options.batch_invariant, where.device, options.compile_step, where.weights)
-    options = dataclasses.replace(options, batch_invariant=invariant)
+    invariance = batch_invariant(options.batch_invariant, where.device, options.compile_step)
+    options = dataclasses.replace(options, batch_invariant=invariance.on)
     step = None
-    if options.compile_step:
-        step = CompiledBatchStep(model, options.parallel, where, batch_invariant=options.batch_invariant)
+    if options.compile_step:  # its batch_invariant and batch_invariant_reason: the decision, once timed
+        step = CompiledBatchStep(model, options.parallel, where, invariance=invariance)
     return Engine(model, tokenizer, options, where, step)
 
 
