@@ -288,15 +288,42 @@ def _take_lock(path: Path, warn: Callable[[str], None]) -> int:
 
 
 @contextlib.contextmanager
-def locked_file(path: Path) -> Iterator[None]:
-    """Hold the lock file at `path` (see `open_lock`) while the block runs; another process waits for it. The
-    kernel drops an flock however its holder ends."""
+def locked_file(path: Path, wait: float | None = None, waiting: Callable[[], None] | None = None) -> Iterator[None]:
+    """Hold the lock file at `path` (see `open_lock`) while the block runs; another process waits for it: as
+    long as it is held, or at most `wait` seconds (then an AftgenError), calling `waiting` once it has waited
+    LOCK_NOTICE seconds. The kernel drops an flock however its holder ends."""
     fd = open_lock(path)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if wait is None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        else:
+            _lock_within(fd, path, wait, waiting or (lambda: None))
         yield
     finally:
         os.close(fd)  # which unlocks it
+
+
+LOCK_NOTICE = 3.0  # seconds a bounded wait for a lock goes on before it says so
+
+
+def _lock_within(fd: int, path: Path, wait: float, waiting: Callable[[], None]) -> None:
+    """flock `fd` within `wait` seconds, calling `waiting` once past LOCK_NOTICE seconds."""
+    start = time.monotonic()
+    noticed = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            waited = time.monotonic() - start
+        except OSError as exc:  # a file system without locks
+            raise AftgenError(f"cannot lock {path.parent} ({exc.strerror or exc})") from None
+        if waited >= wait:
+            raise AftgenError(f"{path} was held by another process for over {wait:g} s")
+        if waited >= LOCK_NOTICE and not noticed:
+            waiting()
+            noticed = True
+        time.sleep(0.05)
 
 
 def open_lock(path: Path) -> int:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from aftgen import rowdot
 from aftgen.aoti import PackageRunner, UnlockedRunner
-from aftgen.compiled_cache import CacheUnusable, cached_package, compiled_folder
+from aftgen.compiled_cache import cached_package, compiled_folder
 from aftgen.device import Compiled, failure_line
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_open, own_source
@@ -441,8 +441,6 @@ def compile_step(model: AFTLM, max_batch: int = 1, batch_invariant: bool = False
     start = time.perf_counter()
     try:
         step, origin = _compiled_step(model, max_batch, batch_invariant)
-    except CacheUnusable as exc:  # nothing was compiled: the note says what to delete
-        return model.step, f"eager ({exc})"
     except Exception as exc:  # no C++ compiler, a device or op the exporter cannot handle: eager always works
         return model.step, f"eager (compiling the step failed: {failure_line(exc)})"
     return step, f"compiled{origin} in {time.perf_counter() - start:.1f} s"
@@ -497,7 +495,7 @@ def loaded_runner(path: Path, constants: dict[str, torch.Tensor]) -> PackageRunn
 
 def _package_step(model: AFTLM, max_batch: int, kind: str, path: Path) -> None:
     """Export the step for 1 to `max_batch` rows (one graph with a dynamic batch size, or batch 1 alone) and
-    compile it into a package at `path`, written atomically (another process may be loading it)."""
+    compile it into a package at `path` (in a private folder: aftgen.compiled_cache copies it into the cache)."""
     example = min(max_batch, EXAMPLE_ROWS)
     ids = torch.zeros(example, dtype=torch.long, device=model.embed.weight.device)
     state, shapes = model.initial_state(example), None

@@ -4,6 +4,7 @@ batch size it serves, the model's own weights, and the eager step wherever it ca
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import shutil
 import subprocess
@@ -213,19 +214,28 @@ def cache_copy(model: AFTLM, cache: Path) -> Path:
 
 
 @pytest.fixture
-def own_cache(compiled, tmp_path, monkeypatch) -> tuple[Path, list[Path]]:
-    """A cache folder of this test's holding a copy of the compiled step (its package), and the paths a
-    stand-in for the compiler writes: the package compiled before (a real compile takes tens of seconds)."""
-    package = cache_copy(compiled[0], tmp_path)
-    monkeypatch.setenv("AFTGEN_CACHE", str(tmp_path))
+def stand_in_compiler(compiled, monkeypatch) -> list[str]:
+    """The names of the packages that a stand-in for the compiler writes: the package compiled before (a real
+    compile takes tens of seconds), written as files.atomic_write writes (on a full disk, torch's package
+    writer fails too: it aborts the process)."""
+    package, _ = step_package(compiled[0], MAX_BATCH)
     compiled_package, builds = package.read_bytes(), []
 
     def compile_again(model: AFTLM, max_batch: int, written: bool, path: Path) -> None:
-        builds.append(path)
-        path.write_bytes(compiled_package)
+        builds.append(path.name)
+        aftgen.files.atomic_write(path, compiled_package, durable=False)
 
     monkeypatch.setattr(aftgen.model, "_package_step", compile_again)
-    return package, builds
+    return builds
+
+
+@pytest.fixture
+def own_cache(stand_in_compiler, compiled, tmp_path, monkeypatch) -> tuple[Path, list[str]]:
+    """A cache folder of this test's holding a copy of the compiled step (its package), and the names of the
+    packages the stand-in compiler writes."""
+    package = cache_copy(compiled[0], tmp_path)
+    monkeypatch.setenv("AFTGEN_CACHE", str(tmp_path))
+    return package, stand_in_compiler
 
 
 def _garbage(path: Path) -> None:
@@ -254,7 +264,7 @@ def test_a_damaged_step_in_the_cache_is_compiled_again_with_one_line(compiled, o
     DAMAGES[damage](package)
     step, note = compile_step(model, MAX_BATCH)
     assert note.startswith("compiled in"), note  # not eager, and not "from the cache"
-    assert builds == [package]
+    assert builds == [package.name]
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "the compiled step in the cache was damaged" in lines[0], lines
     assert_gives_the_eager_logits(model, step)
@@ -285,25 +295,62 @@ print(note)
     assert len(result.stderr.splitlines()) == 1 and "(50,000 bytes) is not the file recorded" in result.stderr
 
 
-def test_a_damaged_step_that_cannot_be_deleted_leaves_the_step_eager_naming_it(compiled, own_cache):
+def assert_compiled_privately(model: AFTLM, step, note: str, builds: list[str], lines: list[str], why: str) -> None:
+    """The step compiled again (once) outside the cache, and one line saying `why`."""
+    assert note.startswith("compiled in"), note  # not eager, and not "from the cache"
+    assert len(builds) == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("warning: ") and why in lines[0], lines
+    assert lines[0].endswith("compiled code is kept in a private temporary folder"), lines
+    assert_gives_the_eager_logits(model, step)
+
+
+def test_a_damaged_step_that_cannot_be_deleted_is_compiled_privately_naming_it(compiled, own_cache, capsys):
     model, _ = compiled
     package, builds = own_cache
     library_of(package).unlink()
     (library_of(package) / "in the way").mkdir(parents=True)  # a folder: never deleted whole
     step, note = compile_step(model, MAX_BATCH)
-    assert step == model.step and not builds
-    assert note.startswith("eager (the compiled step in the cache is damaged"), note
-    assert note.endswith(
-        f"{library_of(package)} cannot be deleted (Is a directory): delete it to compile the step again)"
-    )
+    lines = capsys.readouterr().err.splitlines()[1:]  # after the line that says it was damaged
+    why = f"{library_of(package)} cannot be deleted (Is a directory): delete it to compile the step again"
+    assert_compiled_privately(model, step, note, builds, lines, why)
 
 
-def test_a_file_where_the_compiled_folder_should_be_gives_the_eager_step_naming_it(tiny_run, tmp_path):
+def test_a_file_where_the_compiled_folder_should_be_compiles_the_step_privately(
+    compiled, stand_in_compiler, tmp_path, monkeypatch, capsys
+):
     (tmp_path / "compiled").write_text("not a folder")
-    command = [sys.executable, "-m", "aftgen", "sample", "-m", str(tiny_run), "--compile", "-n", "5"]
-    env = os.environ | {"AFTGEN_CACHE": str(tmp_path)}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stderr.splitlines() == [
-        f"step: eager ({tmp_path / 'compiled'} is not a folder: delete it to keep the compiled step in the cache)"
-    ]
+    monkeypatch.setenv("AFTGEN_CACHE", str(tmp_path))
+    step, note = compile_step(compiled[0], MAX_BATCH)
+    why = f"{tmp_path / 'compiled'} is not a folder: delete it to keep the compiled step in the cache"
+    assert_compiled_privately(compiled[0], step, note, stand_in_compiler, capsys.readouterr().err.splitlines(), why)
+    assert (tmp_path / "compiled").read_text() == "not a folder"
+
+
+def test_a_full_cache_disk_compiles_the_step_privately_leaving_nothing_there(compiled, own_cache, monkeypatch, capsys):
+    model, _ = compiled
+    package, builds = own_cache
+    for entry in package.parent.glob(f"{package.stem}.*"):
+        entry.unlink()  # not in the cache: compiled now, onto a disk that is full
+    write = aftgen.files.atomic_write
+
+    def write_on_a_full_disk(path: Path, data: bytes | str, durable: bool = True) -> None:
+        if Path(path).parent != package.parent:
+            return write(path, data, durable)
+        with aftgen.files.atomic_open(path, "wb", durable):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(aftgen.files, "atomic_write", write_on_a_full_disk)
+    step, note = compile_step(model, MAX_BATCH)
+    lines = capsys.readouterr().err.splitlines()
+    assert_compiled_privately(model, step, note, builds, lines, f"disk full while writing {package}")
+    assert [entry.name for entry in package.parent.iterdir()] == [package.with_suffix(".lock").name]
+
+
+def test_a_linked_compiled_folder_is_not_read_through_the_link(compiled, own_cache, tmp_path, capsys):
+    model, _ = compiled
+    package, builds = own_cache
+    package.parent.rename(tmp_path / "elsewhere")  # an intact entry, reached through the link
+    package.parent.symlink_to(tmp_path / "elsewhere")
+    step, note = compile_step(model, MAX_BATCH)
+    why = f"{package.parent} is a link, which aftgen never makes"
+    assert_compiled_privately(model, step, note, builds, capsys.readouterr().err.splitlines(), why)

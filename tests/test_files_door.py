@@ -172,7 +172,7 @@ def test_a_step_package_built_but_not_yet_recorded_is_not_taken_for_a_damaged_on
 
     def build(path: Path) -> None:
         _package(path)  # written, not yet recorded: another process starts now
-        second["start"] = threading.Thread(target=lambda: second.update(found=cached_package(path, _package)))
+        second["start"] = threading.Thread(target=lambda: second.update(found=cached_package(package, _package)))
         second["start"].start()
         second["start"].join(timeout=1)  # it waits for this one to be recorded (before, it deleted it meanwhile)
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from aftgen import layers, rowdot
+from aftgen import compiled_cache, files, layers, rowdot
 from aftgen.compiled_cache import compiled_folder
+from aftgen.errors import AftgenError
 
 WEIGHTS = {"float32": torch.float32, "bf16": torch.bfloat16}
 SHAPES = [(576, 192), (192, 768), (33, 64), (17, 40), (1, 15)]  # (outputs, inputs): tiles, and tails of each
@@ -45,13 +47,13 @@ def one_build(tmp_path_factory):
 
 @pytest.fixture
 def built(one_build, tmp_path, monkeypatch):
-    """A cache of this test's own holding the library as built and recorded, and the builds after that (each
-    a copy of the one build)."""
+    """A cache of this test's own holding the library as built and recorded, and the names of the builds after
+    that (each a copy of the one build, made in a private folder)."""
     monkeypatch.setenv("AFTGEN_CACHE", str(tmp_path / "cache"))
     shutil.copytree(one_build, compiled_folder(), ignore=shutil.ignore_patterns("*.lock"))
     path, builds = next(compiled_folder().glob("rowdot-*.so")), []
     monkeypatch.setattr(
-        rowdot, "_build", lambda target: builds.append(target) or shutil.copyfile(one_build / path.name, target)
+        rowdot, "_build", lambda target: builds.append(target.name) or shutil.copyfile(one_build / path.name, target)
     )
     return path, builds
 
@@ -70,10 +72,10 @@ def test_a_damaged_library_is_built_again_with_one_line_not_loaded(built, damage
     path, builds = built
     capsys.readouterr()
     DAMAGES[damage](path)
-    assert rowdot.library_path() == path and builds == [path]
+    assert rowdot.library_path() == path and builds == [path.name]
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "the batch-invariant product's library in the cache was damaged" in lines[0], lines
-    assert rowdot.library_path() == path and builds == [path]  # what was built again is recorded
+    assert rowdot.library_path() == path and builds == [path.name]  # what was built again is recorded
 
 
 def test_a_link_planted_where_the_library_lies_is_replaced_and_its_target_left_alone(built, tmp_path):
@@ -82,8 +84,78 @@ def test_a_link_planted_where_the_library_lies_is_replaced_and_its_target_left_a
     victim.write_bytes(b"the user's own file")
     path.unlink()
     path.symlink_to(victim)
-    assert rowdot.library_path() == path and builds == [path]
+    assert rowdot.library_path() == path and builds == [path.name]
     assert victim.read_bytes() == b"the user's own file" and not path.is_symlink()
+
+
+def test_a_link_to_an_intact_library_is_built_again_not_loaded_through(built, tmp_path, capsys):
+    path, builds = built
+    capsys.readouterr()
+    shutil.copyfile(path, tmp_path / "copy.so")  # the very bytes recorded: only the link is wrong
+    path.unlink()
+    path.symlink_to(tmp_path / "copy.so")
+    assert rowdot.library_path() == path and builds == [path.name] and not path.is_symlink()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "library in the cache was damaged" in lines[0] and "is a link" in lines[0], lines
+
+
+def read_only(lock: Path) -> None:
+    """What a read-only cache does to its lock (as root, chmod would not stop the open)."""
+    raise AftgenError(f"cannot lock {lock.parent} (Read-only file system)")
+
+
+LOCKS = {
+    "a FIFO": os.mkfifo,
+    "a link": lambda lock: lock.symlink_to(lock.with_name("elsewhere")),
+    "a read-only disk": lambda lock: None,
+}
+
+
+@pytest.fixture(params=LOCKS)
+def unlockable(request, built, monkeypatch):
+    """The library's cache where its lock cannot be had, and why not."""
+    path, _ = built
+    lock = path.with_suffix(".lock")
+    lock.unlink(missing_ok=True)
+    LOCKS[request.param](lock)
+    if request.param == "a read-only disk":
+        monkeypatch.setattr(files, "open_lock", read_only)
+    return {"a FIFO": "is a FIFO", "a link": "is a link", "a read-only disk": "(Read-only file system)"}[request.param]
+
+
+def test_an_intact_library_is_read_without_its_lock(built, unlockable, capsys, no_hang):
+    path, builds = built
+    capsys.readouterr()
+    assert rowdot.library_path() == path and not builds
+    assert capsys.readouterr().err == ""
+
+
+def test_a_library_whose_lock_cannot_be_had_is_built_privately_with_one_line(built, unlockable, capsys, no_hang):
+    path, builds = built
+    path.unlink()
+    capsys.readouterr()
+    library = rowdot.library_path()
+    assert library != path and library.name == path.name and builds == [path.name]
+    assert not os.path.lexists(path) and rowdot.library_path() != path  # and again: said once
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and unlockable in lines[0], lines
+    assert lines[0].endswith(": compiled code is kept in a private temporary folder"), lines
+
+
+def test_a_held_lock_is_waited_for_a_while_saying_so_then_the_library_built_privately(built, monkeypatch, capsys,
+                                                                                      no_hang):  # fmt: skip
+    path, builds = built
+    path.unlink()
+    capsys.readouterr()
+    monkeypatch.setattr(compiled_cache, "LOCK_WAIT", 0.5)
+    monkeypatch.setattr(files, "LOCK_NOTICE", 0.1)
+    with files.locked_file(path.with_suffix(".lock")):  # held through another open file: as another process would
+        library = rowdot.library_path()
+    assert library != path and builds == [path.name]
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("waiting for another aftgen process to build the batch-invariant product's library")
+    assert f"{path.with_suffix('.lock')} was held by another process for over 0.5 s" in lines[1]
 
 
 @pytest.mark.parametrize("compiler", ["false", "/no/such/compiler"])

@@ -28,7 +28,6 @@ import os
 import platform
 import signal
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -122,20 +121,17 @@ def _key() -> str:
 
 
 def _build(path: Path) -> None:
-    """Compile the sources into `path`: in a folder of its own (the linker would write through a link planted at
-    its output), then renamed over `path` (another process may be loading it)."""
+    """Compile the sources into `path`, in a folder of this process's own (aftgen.compiled_cache copies the
+    library into the cache)."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
-    with tempfile.TemporaryDirectory(dir=path.parent, ignore_cleanup_errors=True) as folder:
-        built = Path(folder) / path.name
-        command = [_compiler(), *FLAGS, *(f"-I{include}" for include in include_paths()), *map(str, SOURCES)]
-        command += ["-o", str(built)]
-        command += [f"-L{lib}" for lib in library_paths()] + ["-ltorch_cpu", "-lc10"]
-        returncode, errors = _run(command)
-        if returncode:
-            last = (errors.strip().splitlines() or ["no message"])[-1]
-            raise RowdotUnavailable(f"cannot build the batch-invariant product: {_compiler()} said: {shown(last)}")
-        built.replace(path)
+    command = [_compiler(), *FLAGS, *(f"-I{include}" for include in include_paths()), *map(str, SOURCES)]
+    command += ["-o", str(path)]
+    command += [f"-L{lib}" for lib in library_paths()] + ["-ltorch_cpu", "-lc10"]
+    returncode, errors = _run(command)
+    if returncode:
+        last = (errors.strip().splitlines() or ["no message"])[-1]
+        raise RowdotUnavailable(f"cannot build the batch-invariant product: {_compiler()} said: {shown(last)}")
 
 
 def _run(command: list[str]) -> tuple[int, str]:
