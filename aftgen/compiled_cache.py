@@ -18,7 +18,6 @@ deleted), the process runs its private build, deleted at exit, and one line says
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import os
@@ -42,6 +41,7 @@ FROM_CACHE = " (from the cache)"
 LOCK_WAIT = 300.0  # seconds a start waits for another process building the same entry before building its own
 FilesOf = Callable[[Path], dict[str, Path]]  # an entry's files by their names in its record
 _private_folders: list[tempfile.TemporaryDirectory] = []  # what this process built outside the cache: gone at exit
+_said: set[str] = set()  # why this process built outside the cache, as it told stderr
 
 
 class Fingerprint(msgspec.Struct, frozen=True):
@@ -113,6 +113,7 @@ def _cached(path: Path, files_of: FilesOf, build: Callable[[Path], None], what: 
 
 
 def _from_cache(path: Path, files_of: FilesOf, build: Callable[[Path], None], what: str) -> tuple[Path, str]:
+    """`path` as the cache holds it, else rebuilt under its lock; a CacheUnusable where the cache cannot have it."""
     _check_folder(path.parent)
     if not _damage(path, files_of(path)):  # finished and recorded: read without the lock, so a read-only cache serves
         return path, FROM_CACHE
@@ -150,7 +151,7 @@ def _rebuilt(path: Path, files_of: FilesOf, build: Callable[[Path], None], what:
 def _built_privately(name: str, build: Callable[[Path], None]) -> Path:
     """`build` run into a new folder of this process's own (deleted at exit): the path it wrote there. torch's
     package writer aborts the process on a full disk, so it never writes into the cache."""
-    folder = tempfile.TemporaryDirectory(prefix="aftgen-", ignore_cleanup_errors=True)
+    folder = tempfile.TemporaryDirectory(prefix="aftgen-compiled-", ignore_cleanup_errors=True)
     try:
         build(Path(folder.name) / name)
     except BaseException:
@@ -185,15 +186,13 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-@functools.cache
-def _say_private_once(line: str) -> None:
-    _say(line)
-
-
 def _say_private(problem: AftgenError) -> None:
     """Say why compiled code goes into a private folder: once a process for each reason (the step and the library
     meet the same read-only disk)."""
-    _say_private_once(f"warning: {files.shown(problem, 400)}: compiled code is kept in a private temporary folder")
+    line = f"warning: {files.shown(problem, 400)}: compiled code is kept in a private temporary folder"
+    if line not in _said:
+        _said.add(line)
+        _say(line)
 
 
 def _check_folder(folder: Path) -> None:
