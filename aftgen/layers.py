@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aftgen.compiled_cache import CacheUnusable
 from aftgen.rowdot import RowdotUnavailable, library, rowdot
 
 KERNELS, WRITTEN, ROWDOT = "kernels", "written out", "rowdot"  # how `linear` multiplies (_products)
@@ -79,8 +78,6 @@ def batch_invariant(asked: bool | None, device: torch.device, compiled: bool) ->
         return Invariance(False, "the eager step is batch-invariant only when asked (--batch-invariant)")
     try:
         library()  # built and loaded now: where it cannot be, the step is the matrix kernels', not rows apart
-    except CacheUnusable as exc:  # the compile, which needs the cache too, will say why
-        return Invariance(False, f"aftgen.rowdot cannot be loaded: {exc}")
     except (RowdotUnavailable, OSError) as exc:
         print(f"warning: {exc}: the step is not batch-invariant", file=sys.stderr, flush=True)
         return Invariance(False, str(exc))
