@@ -12,8 +12,11 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 
+from aftgen.generation.context import Context
+from aftgen.generation.controls import SamplingOptions
+from aftgen.generation.loop import generate
+from aftgen.generation.prompt import read_prompt
 from aftgen.model import AFTLM, StepFunction
-from aftgen.sampling import Context, SamplingOptions, generate, read_prompt
 from aftgen.tokenizer import Tokenizer, valid_text
 
 # The chat format, `aftgen chat`'s and the server's alike: a user's message ends in a newline, and every other

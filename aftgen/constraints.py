@@ -2,7 +2,7 @@
 
 llguidance (the Rust library behind guidance, also in vLLM and llama.cpp) compiles a constraint against the
 tokenizer's pieces and gives, before each token, the set of tokens that keep the text a prefix of something
-the constraint accepts. The rows that draw (sampling.next_tokens) mask their logits with it: a row without a
+the constraint accepts. The rows that draw (generation.stream.next_tokens) mask their logits with it: a row without a
 constraint is left as it is, so it draws what it would draw alone. A constraint is complete when it accepts
 and allows nothing more: its row stops there (finish_reason "stop"); one cut short by the token limit ends
 with "length", as OpenAI's API does.

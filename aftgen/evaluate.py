@@ -16,8 +16,8 @@ from aftgen.corpus.encode import WordEncoder, chunks
 from aftgen.corpus.sources import Document, read_document
 from aftgen.device import release_freed_memory
 from aftgen.errors import AftgenError
+from aftgen.generation.scores import token_logprobs
 from aftgen.model import AFTLM
-from aftgen.sampling import token_logprobs
 from aftgen.tokenizer import Tokenizer
 
 PIECE_TOKENS = 1 << 20  # token ids read from a (memory-mapped) file at a time

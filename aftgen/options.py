@@ -1,5 +1,5 @@
 """How an option is declared once: its name, default, allowed range and help, in a table that the command
-line, the checks, the server and docs/reference.md all read (sampling.CONTROLS, serve.options.SERVE_OPTIONS).
+line, the checks, the server and docs/reference.md all read (generation.controls.CONTROLS, serve.options.SERVE_OPTIONS).
 
 This module sits at the bottom of the package: it imports nothing of aftgen's but its errors.
 """

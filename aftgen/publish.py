@@ -12,11 +12,13 @@ from aftgen.checkpoint import CARD, CARD_LIMIT, CONFIG, TOKENIZER, WEIGHTS, conf
 from aftgen.curves import CURVES, CURVES_LIMIT
 from aftgen.errors import AftgenError
 from aftgen.files import read_bytes, read_text
+from aftgen.generation.controls import SamplingOptions
+from aftgen.generation.loop import sample_text
+from aftgen.generation.prompt import read_prompt
 from aftgen.hf import files as transformers_files
 from aftgen.hub import hub_errors
 from aftgen.model import AFTLM
 from aftgen.record import INFO_LIMIT, METRICS, METRICS_LIMIT, TRAINING_INFO, TRAINING_STATE
-from aftgen.sampling import SamplingOptions, read_prompt, sample_text
 from aftgen.tokenizer import Tokenizer
 from aftgen.training.state_file import largest_training_state
 

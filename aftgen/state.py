@@ -22,8 +22,8 @@ from safetensors.torch import save as save_safetensors
 from aftgen.checkpoint import safetensors_metadata
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_write, read_bytes
+from aftgen.generation.context import MAX_REPEAT_LAST_N, Context
 from aftgen.model import AFTLM, clone_state
-from aftgen.sampling import MAX_REPEAT_LAST_N, Context
 from aftgen.tokenizer import Tokenizer
 
 # Version 2: an AFT window holds exp(k), not k (window_exp_k); a version-1 file would be misread, so it is refused.

@@ -40,13 +40,13 @@ PACKAGES = ("torch", "triton", "numpy", "typer", "sentencepiece", "safetensors",
 TRAIN_MARGIN = 30  # seconds a training run takes beyond --max-time: start, corpus, the final held-out score
 LOG_TAIL = 4000
 MODEL_TESTS = (
-    "aft",
-    "mixers",
-    "sampling",
-    "training",
-    "serve",
-    "cli",
-    "bench_compare",
+    "test_aft.py",
+    "test_mixers.py",
+    "generation",
+    "test_training.py",
+    "test_serve.py",
+    "test_cli.py",
+    "test_bench_compare.py",
 )  # characters of each stage's output kept in log.txt
 
 
@@ -80,7 +80,7 @@ class Sizes:
             )
         return cls(
             # The model-heavy files first: with -x, a failure elsewhere then stops the suite after them.
-            suite=["-m", "not cpu", *(f"tests/test_{name}.py" for name in MODEL_TESTS), "tests"],
+            suite=["-m", "not cpu", *(f"tests/{name}" for name in MODEL_TESTS), "tests"],
             train=[],
             train_time=120,
             compile_time=60,  # what the budget leaves: enough to show --compile works and its speed

@@ -193,7 +193,7 @@ def test_bytes_that_are_not_utf8_from_a_terminal_or_a_pipe(tiny_run):
 
 
 def test_seeds_take_the_range_the_server_takes(tiny_run, corpus, tmp_path):
-    from aftgen.sampling import SEEDS
+    from aftgen.generation.controls import SEEDS
 
     model = ["--model", str(tiny_run), "--device", DEVICE]
     highest = runner.invoke(app, ["sample", *model, "-p", "KING:", "-n", "3", "--seed", str(SEEDS.high)])

@@ -62,3 +62,18 @@ def test_every_module_is_on_the_map():
     text = (ROOT / "docs" / "architecture.md").read_text()
     missing = sorted(package_modules() - mapped_files(layout_block(text)))
     assert not missing, f"docs/architecture.md's Layout does not name: {', '.join(missing)}"
+
+
+def test_the_readme_python_api_example_runs_as_written(tiny_run, tmp_path, monkeypatch):
+    """README's Python block that imports aftgen, run unchanged (its runs/corpus is the tiny run): no import
+    missing, and prefill and step work outside torch.no_grad(), as an inference API should."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    blocks = [block.split("```", 1)[0] for block in readme.split("```python\n")[1:]]
+    code = next(block for block in blocks if "from aftgen import" in block)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "corpus").symlink_to(tiny_run)
+    monkeypatch.chdir(tmp_path)
+    names: dict = {}
+    exec(compile(code, "README.md", "exec"), names)
+    assert names["logits"].shape == (1, names["model"].config.vocab_size)
+    assert not names["logits"].requires_grad

@@ -17,7 +17,7 @@ LAYERS = {
                     "aftgen.cores", "aftgen.layers", "aftgen.mixers", "aftgen.tokenizer", "aftgen.aoti",
                     "aftgen.compiled_cache", "aftgen.rowdot"],
     "model": ["aftgen.model", "aftgen.checkpoint", "aftgen.hf", "aftgen.corpus", "aftgen.hub", "aftgen.api", "aftgen"],
-    "generation": ["aftgen.constraints", "aftgen.sampling", "aftgen.state", "aftgen.chat", "aftgen.evaluate"],
+    "generation": ["aftgen.constraints", "aftgen.generation", "aftgen.state", "aftgen.chat", "aftgen.evaluate"],
     "run records": ["aftgen.record", "aftgen.curves", "aftgen.card"],
     "training": ["aftgen.training"],
     "serving": ["aftgen.serve"],

@@ -19,7 +19,7 @@ from aftgen import rowdot
 from aftgen.api import load
 from aftgen.device import resolve
 from aftgen.evaluate import evaluate_text
-from aftgen.sampling import NO_SCORE
+from aftgen.generation.scores import NO_SCORE
 from aftgen.serve import engine as engine_module
 from aftgen.serve import replies
 from aftgen.serve.app import Inbox
@@ -191,7 +191,7 @@ def f32_items(alternatives: dict[str, float]) -> list[tuple[str, float]]:
 
 
 def records_of(logprob: float, alternatives: list[tuple[int, float]]) -> str:
-    """A score record (aftgen.sampling's read_score) as the engine packs it."""
+    """A score record (aftgen.generation.scores.read_score) as the engine packs it."""
     ids, values = [i for i, _ in alternatives], [v for _, v in alternatives]
     return struct.pack(f"<{1 + len(ids)}f{len(ids)}i", logprob, *values, *ids).hex()
 

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from test_serve import KEY, busy_slots, client, running, wait_for
 
-from aftgen.sampling import API_DEFAULTS, CONTROLS, SamplingOptions
+from aftgen.generation.controls import API_DEFAULTS, CONTROLS, SamplingOptions
 
 CHROMIUM = "/usr/bin/chromium"
 # Nothing but the page under test: no sandbox (root in CI), no GPU, no background traffic of the browser's own.

@@ -928,8 +928,8 @@ def test_crafted_state_files_are_one_error(tmp_path, tiny_run, case):
 
 def test_a_kv_cache_that_does_not_hold_its_position_is_refused(tmp_path, tiny_run):
     from aftgen.api import load
+    from aftgen.generation.prompt import read_prompt
     from aftgen.model import AFTLM
-    from aftgen.sampling import read_prompt
     from aftgen.state import load_state, save_state
 
     _, tokenizer = load(tiny_run, DEVICE)

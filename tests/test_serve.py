@@ -38,8 +38,10 @@ from aftgen.bench.options import BenchServeOptions
 from aftgen.bench.serve import StreamTiming, bench_serve, best_of, phase_figures
 from aftgen.cli import app
 from aftgen.device import resolve
+from aftgen.generation.controls import SamplingOptions
+from aftgen.generation.loop import generate
+from aftgen.generation.prompt import PromptReader, read_prompt
 from aftgen.model import AFTLM, AFTConfig, clone_state, tokens_read
-from aftgen.sampling import PromptReader, SamplingOptions, generate, read_prompt
 from aftgen.serve import batch as batch_module
 from aftgen.serve import sessions as sessions_module
 from aftgen.serve.app import Server

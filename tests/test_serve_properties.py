@@ -20,7 +20,7 @@ from test_serve import _one_thread  # noqa: F401 (autouse: the module runs on on
 from aftgen.api import load
 from aftgen.chat import ROLES
 from aftgen.device import resolve
-from aftgen.sampling import CONTROLS, GREEDY_BELOW, Control, SamplingOptions
+from aftgen.generation.controls import CONTROLS, GREEDY_BELOW, Control, SamplingOptions
 from aftgen.serve.app import Server
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions

@@ -25,7 +25,9 @@ from aftgen.api import load
 from aftgen.cli import app
 from aftgen.constraints import ANY_JSON_OBJECT, Constraint, compiled, json_source
 from aftgen.device import resolve
-from aftgen.sampling import SamplingOptions, generate, read_prompt
+from aftgen.generation.controls import SamplingOptions
+from aftgen.generation.loop import generate
+from aftgen.generation.prompt import read_prompt
 from aftgen.serve import engine as engine_module
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions

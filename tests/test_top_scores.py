@@ -11,7 +11,7 @@ from torch._inductor.exc import InvalidCxxCompiler
 
 from aftgen import rowdot
 from aftgen.compiled_cache import CacheUnusable
-from aftgen.sampling import read_score, token_scores
+from aftgen.generation.scores import read_score, token_scores
 
 LEVELS = range(rowdot.scores_levels())
 

@@ -33,9 +33,10 @@ from aftgen.bench.targets import TARGETS, Row
 from aftgen.device import Placement, resolve, synchronize
 from aftgen.errors import AftgenError
 from aftgen.files import read_text
+from aftgen.generation.controls import SamplingOptions
+from aftgen.generation.drawing import choose, new_generator
 from aftgen.layers import batch_invariant
 from aftgen.model import AFTLM
-from aftgen.sampling import SamplingOptions, choose, new_generator
 from aftgen.serve.batch import Batch, CompiledBatchStep
 
 PROMPTS = ("ROMEO:", "JULIET:", "KING HENRY:", "First Citizen:", "NURSE:", "HAMLET:", "LADY MACBETH:", "GLOUCESTER:")

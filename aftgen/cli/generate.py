@@ -28,10 +28,10 @@ from aftgen.cli.common import (
 from aftgen.corpus import CorpusOptions
 from aftgen.errors import AftgenError
 from aftgen.files import read_text
+from aftgen.generation.controls import CONTROLS, check_seed
+from aftgen.generation.controls import SamplingOptions as Defaults
 from aftgen.layers import BATCH_INVARIANT_HELP
 from aftgen.options import flag
-from aftgen.sampling import CONTROLS, check_seed
-from aftgen.sampling import SamplingOptions as Defaults
 from aftgen.tokenizer import valid_text
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ MaxNewTokens = Annotated[int, _sampling("-1: until stopped.", "--max-new-tokens"
 
 
 def sampling_options() -> dict[str, tuple[object, object]]:
-    """The options `sample` and `chat` share: -n, one per control in aftgen.sampling.CONTROLS, --seed.
+    """The options `sample` and `chat` share: -n, one per control in aftgen.generation.controls.CONTROLS, --seed.
 
     Made when typer builds the command, so a control added to CONTROLS before then is an option too.
     """
@@ -183,7 +183,8 @@ def sample(
     **shared,
 ) -> None:
     """Continue a prompt, streaming text to stdout as it is made."""
-    from aftgen.sampling import read_prompt, sample_text
+    from aftgen.generation.loop import sample_text
+    from aftgen.generation.prompt import read_prompt
     from aftgen.state import save_state as write_state
 
     options = _sampling_options(shared, stop, num_samples)
@@ -240,9 +241,9 @@ def prime(
 ) -> None:
     """Read a text once into a state file that `sample`/`chat --load-state` start from."""
     from aftgen.corpus.sources import read_document, scan_file
+    from aftgen.generation.prompt import PROMPT_CHUNK, read_prompt
     from aftgen.model import compile_prefill as compiled
     from aftgen.model import tokens_read
-    from aftgen.sampling import PROMPT_CHUNK, read_prompt
     from aftgen.state import save_state as write_state
 
     check_seed(seed)

@@ -4,7 +4,7 @@
 // server, as much as the rest of a chunk, on cores it shares with the engine; a call a chunk through ctypes, 6.
 //
 // tokens: "token top chat record" for each, separated by spaces: `top` alternatives at most, chat 1 for chat's
-// shape; a record is aftgen.sampling's (the hex of little-endian float32 [the token's log-probability, the
+// shape; a record is aftgen.generation.scores' (the hex of little-endian float32 [the token's log-probability, the
 // alternatives'] then int32 [their ids]), "-" for none. Out, for each token, after a RECORD separator from the
 // one before: completions' name, figure and {name: figure, ...} map, between UNIT separators, or chat's whole
 // entry. A figure is written as "%.9g" writes it (Python's too): 9 digits give a float32 back exactly (snprintf

@@ -1,5 +1,5 @@
 // The scores a step reports for `logprobs`: each row's chosen token's log-probability and its k likeliest
-// tokens', packed as aftgen.sampling's score records are (aftgen/sampling.py, token_scores), read from the step's
+// tokens', packed as aftgen.generation.scores' records are (token_scores), read from the step's
 // logits in one call. Inside the serving engine, which sets the pace, torch's log_softmax and a top-k over a step's
 // 32 rows of 1,024 logits cost 156 us a step, half of it in a top-k whose branches mispredicted on each step's fresh
 // logits (a loop timing the same logits again and again teaches the predictor, and reads a third of that). Here:

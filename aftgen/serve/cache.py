@@ -2,7 +2,7 @@
 
 A recurrent state cannot be cut back to an earlier token (llama.cpp #22940), so the cache keeps the
 state at whole prompts' ends and where their last pieces start (a prompt is read in pieces fixed from its
-start: sampling.PROMPT_CHUNK says why). A hit must leave the rest of the prompt to be read in those same
+start: generation.prompt.PROMPT_CHUNK says why). A hit must leave the rest of the prompt to be read in those same
 pieces, so it is a state at a piece's end or after the whole prompt: a chat that sends its history again
 finds the state where that history's last piece starts, and reads that piece and its new turn. Bounded in
 megabytes, least recently used out first.

@@ -28,17 +28,12 @@ from aftgen import cores, rowdot
 from aftgen.constraints import ConstraintBroken, compiled
 from aftgen.device import Placement
 from aftgen.errors import AftgenError
+from aftgen.generation.context import Context
+from aftgen.generation.drawing import ScoresNotFinite, new_generator
+from aftgen.generation.prompt import PromptReader, opening
+from aftgen.generation.scores import token_scores
+from aftgen.generation.stream import TextStream, next_tokens
 from aftgen.model import AFTLM, StepFunction
-from aftgen.sampling import (
-    Context,
-    PromptReader,
-    ScoresNotFinite,
-    TextStream,
-    new_generator,
-    next_tokens,
-    opening,
-    token_scores,
-)
 from aftgen.serve.batch import EAGER, Batch, CompiledBatchStep, eager_step
 from aftgen.serve.cache import PrefixCache, state_bytes
 from aftgen.serve.options import ServeOptions
@@ -396,7 +391,7 @@ class Engine:
     def _read(self) -> None:
         """Read prompt_chunk prompt tokens, from the longest-waiting readers first, in whole pieces.
 
-        A prompt is read in the pieces it is read in alone (sampling.PROMPT_CHUNK says why), so the last piece of
+        A prompt is read in the pieces it is read in alone (PROMPT_CHUNK's comment says why), so the last piece of
         a turn may end past its budget (by less than a piece, when one prompt's last, shorter piece left less
         than the next one's): the next turn reads that much less. One reader alone is read a piece a turn, and
         prompts are read prompt_chunk tokens a turn on average, and no turn reads twice that.

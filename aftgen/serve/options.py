@@ -10,10 +10,10 @@ from typing import Any
 
 from aftgen.device import DEVICE_HELP, DTYPE_HELP
 from aftgen.errors import AftgenError
+from aftgen.generation.prompt import PROMPT_CHUNK
 from aftgen.hub import MODEL_HELP
 from aftgen.layers import BATCH_INVARIANT_HELP
 from aftgen.options import HARDWARE_PANEL, POSITIVE, Range, check_ranges, option
-from aftgen.sampling import PROMPT_CHUNK
 
 API_KEY = re.compile(r"[!-~]+")  # printable ASCII, no spaces: what an HTTP header carries as it was typed
 

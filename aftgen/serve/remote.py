@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 from aftgen.checkpoint import TOKENIZER
 from aftgen.constraints import Constraint
 from aftgen.errors import AftgenError
+from aftgen.generation.controls import SamplingOptions
 from aftgen.mixers import MIXERS, Kind
-from aftgen.sampling import SamplingOptions
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.work import Done, Event, Failed, Finished, Started, Text, Ticket, Work
 from aftgen.tokenizer import Tokenizer

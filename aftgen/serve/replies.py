@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from aftgen import rowdot
-from aftgen.sampling import read_score
+from aftgen.generation.scores import read_score
 from aftgen.serve.work import Event, Failed, Finished, Score, Started, Text, Ticket
 from aftgen.tokenizer import Tokenizer
 

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from aftgen.chat import REPLY_END, ROLES, message_text
 from aftgen.constraints import ANY_JSON_OBJECT, MAX_CHOICES, Constraint, json_source
-from aftgen.sampling import API_DEFAULTS, CONTROLS, SEEDS, Range, SamplingOptions, opening
+from aftgen.generation.controls import API_DEFAULTS, CONTROLS, SEEDS, SamplingOptions
+from aftgen.generation.prompt import opening
+from aftgen.options import Range
 from aftgen.serve.conversation import chat_ids
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.sessions import valid_name

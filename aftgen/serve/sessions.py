@@ -1,6 +1,6 @@
 """Named sessions: a conversation's whole context kept between requests, and on disk if asked.
 
-A session is an `aftgen.sampling.Context`, the same thing `aftgen sample --save-state` writes, and
+A session is an `aftgen.generation.context.Context`, the same thing `aftgen sample --save-state` writes, and
 its file is that very format: `aftgen sample --load-state DIR/NAME.session.safetensors` continues it,
 and a restarted server picks it up where it stopped. Only files named so are sessions: the store never
 counts, reads or removes anything else in its folder.
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from aftgen.errors import AftgenError
+from aftgen.generation.context import Context
 from aftgen.model import AFTLM
-from aftgen.sampling import Context
 from aftgen.state import load_state, save_state
 from aftgen.tokenizer import Tokenizer
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aftgen.sampling import SamplingOptions
+from aftgen.generation.controls import SamplingOptions
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Started:
     cached_tokens: int  # of prompt_tokens, those the prefix cache had already read
 
 
-# A token's score: where its text starts in the choice's text, its id and its score record (aftgen.sampling's
+# A token's score: where its text starts in the choice's text, its id and its score record (aftgen.generation.scores'
 # read_score: its log-probability and the likeliest tokens', as many as the engine's step drew for any row).
 Score = tuple[int, int, str]
 

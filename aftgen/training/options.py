@@ -17,6 +17,7 @@ from aftgen.corpus import CorpusOptions
 from aftgen.corpus.split import parse_size
 from aftgen.device import DEVICES, DTYPES
 from aftgen.errors import AftgenError
+from aftgen.generation.controls import check_seed
 from aftgen.mixers import MIXERS
 from aftgen.model import ACTIVATIONS, PRESETS
 from aftgen.options import (
@@ -30,7 +31,6 @@ from aftgen.options import (
     flag,
     option,
 )
-from aftgen.sampling import check_seed
 from aftgen.tokenizer import TOKENIZER_TYPES
 from aftgen.training import vocabulary
 from aftgen.training.recipe import CANDIDATES, DEFAULT_BUDGET, EVAL_WINDOWS
