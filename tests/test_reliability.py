@@ -621,12 +621,12 @@ def test_tokenizer_from_another_model_is_refused(tmp_path, tiny_run):
 
 
 def test_internal_error_is_one_line_and_a_log(tmp_path, tiny_run, monkeypatch):
-    import aftgen.sampling
+    import aftgen.generation.loop
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(aftgen.sampling, "sample_text", broken)
+    monkeypatch.setattr(aftgen.generation.loop, "sample_text", broken)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     result = invoke("sample", "--model", tiny_run, "--prompt", "KING:")
     assert result.exit_code == 1
