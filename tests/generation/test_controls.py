@@ -108,7 +108,7 @@ def test_rows_that_differ_in_a_new_control_are_drawn_together_each_with_its_own_
 
 def test_the_reference_shows_the_controls_as_declared():
     """docs/reference.md's table of controls is made from CONTROLS, API_DEFAULTS and the schema, not retyped."""
-    reference = (Path(__file__).parent.parent / "docs" / "reference.md").read_text(encoding="utf-8")
+    reference = (Path(__file__).parents[2] / "docs" / "reference.md").read_text(encoding="utf-8")
     table = controls_table(ServeOptions())
     assert table in reference, "docs/reference.md's table of controls is not the declaration's:\n" + table
 
