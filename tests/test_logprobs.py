@@ -19,13 +19,15 @@ from aftgen import rowdot
 from aftgen.api import load
 from aftgen.device import resolve
 from aftgen.evaluate import evaluate_text
+from aftgen.generation.controls import SamplingOptions
 from aftgen.generation.scores import NO_SCORE
 from aftgen.serve import engine as engine_module
 from aftgen.serve import replies
 from aftgen.serve.app import Inbox
 from aftgen.serve.engine import Engine
 from aftgen.serve.replies import FIGURE, ScoreWriter, chat_logprobs, completions_logprobs
-from aftgen.serve.work import Text, Ticket
+from aftgen.serve.schema import APIError, parse_request
+from aftgen.serve.work import Done, Text, Ticket, Work
 
 HELD_OUT = make_corpus(1500, seed=48)  # text the tiny model never trained on; several prompt chunks long
 
@@ -159,6 +161,41 @@ def test_a_prompt_of_token_ids_scores_as_its_text(url, tokenizer):
     with_bos = completion(url, prompt=[tokenizer.bos_id, *ids], max_tokens=5, echo=True, logprobs=2)["logprobs"]
     assert with_bos["token_logprobs"][0] is None and with_bos["top_logprobs"][0] is None  # nothing predicts it
     assert with_bos["token_logprobs"][1:] == as_text["logprobs"]["token_logprobs"]  # and no second BOS is read
+
+
+def test_an_echos_scores_leave_the_engine_once_and_reach_every_choice(url, tiny_run, tokenizer):
+    """n: 3 with echo and logprobs: the engine hands the prompt's scores on once, not once a choice (an echo of
+    8,191 tokens with 20 alternatives each is megabytes), and every choice shows the same ones."""
+    ids = tokenizer.encode(HELD_OUT[:200])
+    engine = Engine(*load(tiny_run, DEVICE), server_options(tiny_run), resolve(DEVICE, "fp32"))
+    events: list = []
+    engine.publish = events.extend
+    engine.submit(Work(ids, SamplingOptions(max_new_tokens=0), n=3, logprobs=2, echo=True))
+    for _ in range(100):
+        if any(isinstance(event, Done) for _, event in events):
+            break
+        engine.turn()
+    assert sum(len(getattr(event, "scores", None) or ()) for _, event in events) == len(ids)
+    fields = {"prompt": ids, "n": 3, "echo": True, "logprobs": 2, "max_tokens": 4, "temperature": 1.0, "seed": 5}
+    choices = post(url, "/v1/completions", json=fields).json()["choices"]
+    echoed = [{name: figures[: len(ids)] for name, figures in choice["logprobs"].items()} for choice in choices]
+    assert len(choices) == 3 and len(echoed[0]["token_logprobs"]) == len(ids)
+    assert echoed[1] == echoed[0] and echoed[2] == echoed[0]
+
+
+def test_an_echo_whose_scores_pass_the_limit_gets_400(url, tiny_run, tokenizer):
+    """n x prompt tokens x (1 + logprobs) past --max-echo-scores is a 400 naming `echo`, before any work; at the limit
+    it is served, and an echo without scores is not counted."""
+    body = {"prompt": [5] * 4000, "n": 16, "echo": True, "logprobs": 20, "max_tokens": 0}
+    refused = assert_openai_error(post(url, "/v1/completions", json=body), 400, "echo")
+    assert refused["code"] == "reply_too_large"
+    options = server_options(tiny_run, max_echo_scores=30)
+    at_limit = {"prompt": [5] * 5, "n": 2, "echo": True, "logprobs": 2}
+    assert parse_request(at_limit, False, options, tokenizer, "m").work.echo
+    with pytest.raises(APIError) as past:
+        parse_request(at_limit | {"prompt": [5] * 6}, False, options, tokenizer, "m")
+    assert past.value.status == 400 and past.value.param == "echo"
+    assert parse_request(at_limit | {"prompt": [5] * 6, "logprobs": None}, False, options, tokenizer, "m").work.echo
 
 
 @pytest.mark.parametrize(

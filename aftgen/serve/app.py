@@ -29,7 +29,7 @@ from aftgen.serve.engine import Engine
 from aftgen.serve.remote import EngineProcess, EngineUnavailable
 from aftgen.serve.replies import UNREADABLE, Reply, as_json, score_writer, shown_scores
 from aftgen.serve.schema import APIError, controls_body, parse_request
-from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket, merged_texts, timed_out
+from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket, each_choice, merged_texts, timed_out
 
 # The page may talk to this server only: its own inline script and style, nothing fetched from elsewhere.
 PLAYGROUND_POLICY = (
@@ -115,7 +115,7 @@ class Server:
         loop = asyncio.get_running_loop()
 
         def deliver(events: list[tuple[Ticket, Event]]) -> None:
-            for ticket, event in shown_scores(events, self.engine.tokenizer):
+            for ticket, event in each_choice(shown_scores(events, self.engine.tokenizer)):
                 if event is UNREADABLE:
                     self.engine.cancel(ticket)
                 ticket.inbox.put_nowait(event)

@@ -40,6 +40,7 @@ from aftgen.serve.options import ServeOptions
 from aftgen.serve.sessions import SessionStore
 from aftgen.serve.work import (
     Done,
+    Echo,
     Event,
     Failed,
     Finished,
@@ -424,12 +425,12 @@ class Engine:
         ticket.unfinished = len(contexts)
         remember = work.reply_suffix is not None and work.session is None
         echo = self._echo(reader) if work.echo else None
+        if echo:
+            self._emit(ticket, echo)
         joining = []
         for index, context in enumerate(contexts):
             stream = TextStream(self.tokenizer, context, work.options, ticket.constraint)
             row = Row(ticket, index, stream, ids if remember else [], echoed=len(echo.text) if echo else 0)
-            if echo:
-                self._emit(ticket, Text(index, echo.text, echo.scores))
             self._text(row, stream.begin())
             if stream.done:  # max_tokens 0: only the prompt was wanted
                 self._end(row)
@@ -439,15 +440,15 @@ class Engine:
         for row, _ in joining:
             row.stream.context.state = []  # the batch holds it now; a session gets it back when it ends
 
-    def _echo(self, reader: Reader) -> Text:
+    def _echo(self, reader: Reader) -> Echo:
         """The prompt as the client gave it: its text and, with logprobs, its tokens' scores (a BOS read first has
-        none). Index 0: each choice sends it as its own."""
+        none)."""
         given = reader.ticket.work.prompt
         text, starts = text_starts(self.tokenizer, given)
         if reader.prompt.score is None:
-            return Text(0, text)
+            return Echo(text)
         scores = reader.prompt.scores[len(reader.prompt.ids) - len(given) :]
-        return Text(0, text, [(start, *score) for start, score in zip(starts, scores, strict=True)])
+        return Echo(text, [(start, *score) for start, score in zip(starts, scores, strict=True)])
 
     def _step(self) -> None:
         """One batched step: every row's next token in, every row's logits out. A row whose constraint cannot

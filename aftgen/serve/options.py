@@ -65,6 +65,12 @@ class ServeOptions:
     max_tokens: int = _limit(
         1024, "Most tokens a request may ask for (and its default); past that: 400.", Range(1, 1 << 30)
     )
+    max_echo_scores: int = _limit(
+        1 << 18,
+        "Scores an echoed prompt may come with: n x its tokens x (1 + logprobs) (one echo of 8,192 tokens with 20 "
+        "alternatives fits); past that: 400.",
+        Range(1, 1 << 30),
+    )
     max_body_bytes: int = _limit(1 << 20, "Request body size; past that: 413.", Range(1024, 1 << 34))
     timeout: float = _limit(600.0, "Seconds a request may take, queueing included; past that: 504.", POSITIVE)
     read_timeout: float = _limit(

@@ -43,13 +43,13 @@ from aftgen.errors import AftgenError
 from aftgen.generation.controls import SamplingOptions
 from aftgen.mixers import MIXERS, Kind
 from aftgen.serve.options import ServeOptions
-from aftgen.serve.work import Done, Event, Failed, Finished, Started, Text, Ticket, Work
+from aftgen.serve.work import Done, Echo, Event, Failed, Finished, Started, Text, Ticket, Work
 from aftgen.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from aftgen.serve.engine import Engine
 
-EVENTS = {kind.__name__: kind for kind in (Started, Text, Finished, Failed, Done)}
+EVENTS = {kind.__name__: kind for kind in (Started, Echo, Text, Finished, Failed, Done)}
 START_TIMEOUT = 600.0  # seconds for the child to load the model (a Hub download is done before) and compile
 STOP_TIMEOUT = 10.0  # seconds the child gets to finish its turn and leave before it is killed
 ANSWER_WITHIN = 1.0  # seconds /health waits for the child's figures: past that, it is not answering

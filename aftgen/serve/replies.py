@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 
 from aftgen import rowdot
 from aftgen.generation.scores import read_score
-from aftgen.serve.work import Event, Failed, Finished, Score, Started, Text, Ticket
+from aftgen.serve.work import Echo, Event, Failed, Finished, Score, Started, Text, Ticket
 from aftgen.tokenizer import Tokenizer
 
 as_json = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options makes one a call
@@ -85,11 +86,11 @@ def score_writer(tokenizer: Tokenizer) -> ScoreWriter:
 
 
 def shown_scores(events: list[tuple[Ticket, Event]], tokenizer: Tokenizer) -> list[tuple[Ticket, Event]]:
-    """The events with each Text's score records shown as its request asks (its inbox's `scores`: chat or not, and
-    how many alternatives; None: none asked), every token of them in one pass. A record that cannot be read (an
-    engine's fault) fails its own request, not the others delivered with it."""
+    """The events with each Text's or Echo's score records shown as its request asks (its inbox's `scores`: chat or
+    not, and how many alternatives; None: none asked), every token of them in one pass. A record that cannot be read
+    (an engine's fault) fails its own request, not the others delivered with it."""
     asks = [(at, ticket.inbox.scores, event) for at, (ticket, event) in enumerate(events)
-            if isinstance(event, Text) and event.scores and getattr(ticket.inbox, "scores", None)]  # fmt: skip
+            if isinstance(event, Text | Echo) and event.scores and getattr(ticket.inbox, "scores", None)]  # fmt: skip
     if not asks:
         return events
     events, wanted = list(events), [(chat, top, event.scores) for _, (chat, top), event in asks]
@@ -99,7 +100,7 @@ def shown_scores(events: list[tuple[Ticket, Event]], tokenizer: Tokenizer) -> li
         shown = [_shown_alone(tokenizer, *ask) for ask in wanted]
     for (at, _, event), scores in zip(asks, shown, strict=True):
         ticket = events[at][0]
-        events[at] = (ticket, Text(event.index, event.text, scores) if scores is not None else UNREADABLE)
+        events[at] = (ticket, dataclasses.replace(event, scores=scores) if scores is not None else UNREADABLE)
     return events
 
 

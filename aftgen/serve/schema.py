@@ -293,16 +293,12 @@ def prompt_field(name: str, value: object) -> str | list[int]:
     take several requests). prompt_ids checks the ids against the vocabulary."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
-    if isinstance(value, str) or (isinstance(value, list) and all(_is_integer(token) for token in value)):
+    if isinstance(value, str) or (isinstance(value, list) and all(type(token) is int for token in value)):  # not bool
         return value
     message = (
         f"'{name}' must be a string or a list of token ids (one prompt per request; concurrent requests are batched)"
     )
     raise invalid(name, message)
-
-
-def _is_integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def content_text(name: str, value: object) -> str:
@@ -338,7 +334,8 @@ def messages(name: str, value: object) -> list[tuple[str, str]]:
 
 def unencodable(body: dict) -> str | None:
     """Where the body holds text that is not Unicode (a lone surrogate such as "\\ud800", which JSON can
-    spell but UTF-8 cannot), as a field path like `messages[0].content`; None if nowhere."""
+    spell but UTF-8 cannot), as a field path like `messages[0].content`; None if nowhere. A list's items
+    get a path only where one is wrong or holds more: a prompt of 300,000 token ids is one pass."""
     pending: list[tuple[str, object]] = [("", body)]
     while pending:
         where, value = pending.pop()
@@ -351,7 +348,9 @@ def unencodable(body: dict) -> str | None:
                     return path.encode("utf-8", "backslashreplace").decode()
                 pending.append((path, item))
         elif isinstance(value, list):
-            pending.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+            for i, item in enumerate(value):
+                if isinstance(item, (str, dict, list)) and (not isinstance(item, str) or not _encodes(item)):
+                    pending.append((f"{where}[{i}]", item))
     return None
 
 
@@ -388,12 +387,26 @@ def within_limit(param: str, ids: list[int], tokenizer: Tokenizer, limit: int) -
 
 
 def given_ids(ids: list[int], tokenizer: Tokenizer, limit: int) -> list[int]:
-    """A prompt given as token ids, refusing one outside the vocabulary or over `limit` tokens."""
+    """A prompt given as token ids, refusing one over `limit` tokens (before its ids are walked) or outside the
+    vocabulary."""
+    within_limit("prompt", ids, tokenizer, limit)
     vocabulary = Range(0, tokenizer.vocab_size, open_high=True)
     outside = next((i for i, token in enumerate(ids) if token not in vocabulary), None)
     if outside is not None:
         raise invalid("prompt", f"'prompt[{outside}]' must be a token id {vocabulary}, got {ids[outside]}")
-    return within_limit("prompt", ids, tokenizer, limit)
+    return ids
+
+
+def echo_within_limit(n: int, tokens: int, alternatives: int, limit: int) -> None:
+    """Refuse an echo whose scores (each choice's copy of each prompt token's, with its alternatives) would make a
+    reply past `limit` scores: the reply is built and held whole, on the HTTP side's one thread."""
+    count = n * tokens * (1 + alternatives)
+    if count > limit:
+        message = (
+            f"'echo' with 'logprobs': {alternatives} on {tokens} prompt tokens and 'n': {n} makes {count} scores, more "
+            f"than this server's limit of {limit}: ask for fewer choices or alternatives, or send a shorter prompt"
+        )
+        raise APIError(400, message, param="echo", code="reply_too_large")
 
 
 def logprobs_asked(values: dict, chat: bool) -> int | None:
@@ -454,6 +467,8 @@ def parse_request(body: dict, chat: bool, options: ServeOptions, tokenizer: Toke
         **API_DEFAULTS | given,
     )
     scores = {"logprobs": logprobs_asked(values, chat), "echo": values.get("echo", False)}
+    if scores["echo"] and scores["logprobs"] is not None:
+        echo_within_limit(values.get("n", 1), len(ids), scores["logprobs"], options.max_echo_scores)
     work = Work(ids, sampling, values.get("n", 1), values.get("session"), REPLY_END if chat else None, **scores)
     work.constraint_field = shaped[0] if shaped else None
     stream, usage = values.get("stream", False), values.get("stream_options", False)

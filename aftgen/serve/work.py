@@ -21,7 +21,7 @@ class Work:
     session: str | None = None  # a named session: the prompt continues its context, which is kept after
     reply_suffix: str | None = None  # chat: keep the state after `prompt + reply + suffix` in the prefix cache
     logprobs: int | None = None  # score each token, with this many likeliest alternatives (None: no scores)
-    echo: bool = False  # the prompt's text (and with `logprobs`, its tokens' scores) first in each choice
+    echo: bool = False  # the prompt's text (and with `logprobs`, its tokens' scores) first in each choice (Echo)
     constraint_field: str | None = None  # the request's field that gave options.constraint: a 400 names it
 
 
@@ -44,6 +44,16 @@ class Text:
     text: str
     # with `logprobs`: the tokens whose text this text begins, as the engine's Score records, then as the HTTP side
     # shows them once delivered (aftgen.serve.replies.shown_scores)
+    scores: list | None = None
+
+
+@dataclass
+class Echo:
+    """The prompt's text, and with `logprobs` its tokens' scores (as Text's), that begins every choice: sent once
+    whatever `n`, and given to each choice as its first Text once delivered (each_choice), so an echo of thousands
+    of scored tokens is neither sent nor shown once a choice."""
+
+    text: str
     scores: list | None = None
 
 
@@ -76,7 +86,7 @@ class Done:
     """Every choice has finished."""
 
 
-Event = Started | Text | Finished | Failed | Done
+Event = Started | Echo | Text | Finished | Failed | Done
 
 
 @dataclass(eq=False)
@@ -110,4 +120,15 @@ def merged_texts(events: list[tuple[Ticket, Event]]) -> list[tuple[Ticket, Event
             for key in [key for key in open_text if key[0] is ticket]:
                 del open_text[key]
         out.append((ticket, event))
+    return out
+
+
+def each_choice(events: list[tuple[Ticket, Event]]) -> list[tuple[Ticket, Event]]:
+    """The events with each Echo given to every choice of its request as its first Text (one list of scores shared)."""
+    out: list[tuple[Ticket, Event]] = []
+    for ticket, event in events:
+        if isinstance(event, Echo):
+            out += [(ticket, Text(index, event.text, event.scores)) for index in range(ticket.work.n)]
+        else:
+            out.append((ticket, event))
     return out
