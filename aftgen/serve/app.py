@@ -239,13 +239,15 @@ class Server:
         if declared.isdigit() and int(declared) > limit:
             raise too_large
         body, pieces = bytearray(), request.stream()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.read_timeout  # for the whole body: a byte now and then keeps no client
         while True:
             try:
-                body += await asyncio.wait_for(anext(pieces), self.options.read_timeout)
+                body += await asyncio.wait_for(anext(pieces), deadline - loop.time())
             except StopAsyncIteration:
                 break
             except asyncio.TimeoutError:
-                message = f"the request body stopped arriving for {self.options.read_timeout:g} s"
+                message = f"the request body did not arrive within {self.options.read_timeout:g} s"
                 raise APIError(408, message, code="request_timeout") from None
             if len(body) > limit:
                 raise too_large

@@ -24,6 +24,11 @@ HTTP_CORES = 1
 
 
 SERVER_PANEL, LIMITS_PANEL = "Server", "Limits"
+MAX_CONNECTIONS = Range(1, 1 << 20)
+# Descriptors the HTTP side's process keeps beside its open connections: its own files (the engine's socket, stdio,
+# the event loop's) and a burst of connections (the listening socket's backlog: the most asyncio accepts in one go,
+# each holding a descriptor until the cap refuses it), so that it never runs out and stops accepting.
+OWN_DESCRIPTORS, ACCEPT_BURST = 64, 128
 
 
 def _server(default: Any, help: str, range: Range | None = None, **spelling: Any) -> Any:
@@ -74,7 +79,16 @@ class ServeOptions:
     max_body_bytes: int = _limit(1 << 20, "Request body size; past that: 413.", Range(1024, 1 << 34))
     timeout: float = _limit(600.0, "Seconds a request may take, queueing included; past that: 504.", POSITIVE)
     read_timeout: float = _limit(
-        10.0, "Seconds a client may stay silent while its request is read; then 408 or closed.", POSITIVE
+        10.0,
+        "Seconds a client may take to send a request's headers or its body, stay idle between requests, or leave "
+        "its reply unread; past that: 408 or closed.",
+        POSITIVE,
+    )
+    max_connections: int | None = _limit(
+        None,
+        f"Connections open at once (default: the descriptor limit, `ulimit -n`, less {OWN_DESCRIPTORS + ACCEPT_BURST} "
+        "kept for the process's own files and a burst of connections); past that a new one gets a 503 and is closed.",
+        MAX_CONNECTIONS,
     )
     max_sessions: int = _limit(
         64, "Named sessions held in memory (the rest wait in --sessions-dir).", Range(1, 1 << 20)

@@ -1,29 +1,66 @@
 """uvicorn, made to fit a server that must not be held up or kept awake: HTTP/1.1 connections that cannot be
-held open by a client that stops sending, and a server loop that sleeps while idle.
+held open by a client that stops sending or stops reading, no more of them than the process has descriptors for,
+and a server loop that sleeps while idle.
 
 uvicorn times out an idle kept-alive connection, but not one whose request's headers never finish
 arriving: forty clients that each send half their headers would hold forty connections forever.
 Here a connection waiting for a request's headers is closed when a whole `read_timeout` has gone by
-with no request begun (a slow body is the app's to time: `Server._body` answers 408).
+with no request begun (a slow body is the app's to time: `Server._body` answers 408). Nor does it time
+a reply its client leaves unread: the reply waits in the process's memory until the client leaves, so
+here one whose unsent part has not shrunk for a whole `read_timeout` is dropped. And it accepts connections
+until the process runs out of descriptors (then it logs an error a second while requests and /health
+wait); here one past `max_connections` gets a 503 and is closed at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import socket
+import struct
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+OVERLOADED = {
+    "error": {
+        "message": "this server has as many connections open as it takes (--max-connections); try again shortly",
+        "type": "server_error",
+        "param": None,
+        "code": "server_overloaded",
+    }
+}
 
-class HeaderDeadline(H11Protocol):
-    """uvicorn's h11 connection, closed when its client takes longer than `read_timeout` to send headers."""
+
+def _refusal() -> bytes:
+    body = json.dumps(OVERLOADED).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+        f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+REFUSAL = _refusal()
+NO_LINGER = struct.pack("ii", 1, 0)  # SO_LINGER on, for 0 s: closing the socket resets the connection at once
+
+
+class BoundedConnection(H11Protocol):
+    """uvicorn's h11 connection, closed when its client takes longer than `read_timeout` to send headers, dropped
+    when it leaves its reply unread as long, and refused when `max_connections` others are open."""
 
     read_timeout = 10.0
+    max_connections = 1024
+    _unread: asyncio.TimerHandle | None = None  # the check of a reply waiting to be read
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if len(self.connections) > self.max_connections:  # `connections` holds this one too
+            transport.write(REFUSAL)
+            transport.close()
+            return
         self._arm()
 
     def _arm(self) -> None:
@@ -38,10 +75,35 @@ class HeaderDeadline(H11Protocol):
         else:
             self._arm()
 
+    def pause_writing(self) -> None:
+        """The reply waits in the transport's buffer, past its high-water mark, for the client to read it."""
+        super().pause_writing()
+        self._watch_unread(self.transport.get_write_buffer_size())
 
-def with_read_timeout(seconds: float) -> type[HeaderDeadline]:
-    """The connection class for uvicorn's `http` setting, with this read timeout."""
-    return type("HeaderDeadline", (HeaderDeadline,), {"read_timeout": seconds})
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._unread is not None:
+            self._unread.cancel()
+
+    def _watch_unread(self, unsent: int) -> None:
+        self._unread = self.loop.call_later(self.read_timeout, self._check_unread, unsent)
+
+    def _check_unread(self, unsent: int) -> None:
+        """Drop the connection (and the reply it holds) if none of its reply was read since the last check."""
+        if not self.flow.write_paused:  # read meanwhile, or the connection is gone
+            return
+        left = self.transport.get_write_buffer_size()
+        if left >= unsent:  # reset, not closed: a close leaves what the kernel holds of the reply for it to send
+            self.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, NO_LINGER)
+            self.transport.abort()
+        else:
+            self._watch_unread(left)
+
+
+def bounded_connections(read_timeout: float, max_connections: int) -> type[BoundedConnection]:
+    """The connection class for uvicorn's `http` setting, with these bounds."""
+    bounds = {"read_timeout": read_timeout, "max_connections": max_connections}
+    return type("BoundedConnection", (BoundedConnection,), bounds)
 
 
 class QuietServer(uvicorn.Server):

@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import ipaddress
+import resource
 import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aftgen.errors import AftgenError
-from aftgen.serve.options import ServeOptions
+from aftgen.serve.options import ACCEPT_BURST, MAX_CONNECTIONS, OWN_DESCRIPTORS, ServeOptions
 
 if TYPE_CHECKING:
     import uvicorn
@@ -47,6 +48,16 @@ def listening_socket(host: str, port: int) -> socket.socket:
         raise AftgenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+def connection_cap(given: int | None) -> int:
+    """--max-connections, or what the descriptor limit leaves once the process's own and a burst's are set aside."""
+    if given is not None:
+        return given
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS.high
+    return max(1, soft - OWN_DESCRIPTORS - ACCEPT_BURST)
+
+
 def start_engine(options: ServeOptions) -> EngineProcess:
     """The engine in a process of its own (aftgen.serve.remote), for the model fetched here (a Hub id), then
     loaded, and its step compiled, there."""
@@ -68,7 +79,7 @@ def prepare(
     import uvicorn
 
     from aftgen.serve.app import Server
-    from aftgen.serve.protocol import QuietServer, with_read_timeout
+    from aftgen.serve.protocol import QuietServer, bounded_connections
     from aftgen.serve.remote import EngineProcess
 
     engine = start_engine(options) if engine is None else engine
@@ -76,10 +87,15 @@ def prepare(
     sock = listening_socket(options.host, options.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    timeout = options.read_timeout  # for headers (HeaderDeadline), each piece of a body, and an idle keep-alive
-    http = with_read_timeout(timeout)
+    timeout = options.read_timeout  # for headers and an unread reply (BoundedConnection), a body, an idle keep-alive
+    http = bounded_connections(timeout, connection_cap(options.max_connections))
     config = uvicorn.Config(
-        app, http=http, log_level="warning", timeout_keep_alive=timeout, timeout_graceful_shutdown=5
+        app,
+        http=http,
+        log_level="warning",
+        timeout_keep_alive=timeout,
+        timeout_graceful_shutdown=5,
+        backlog=ACCEPT_BURST,
     )
     server = QuietServer(config)
     if isinstance(engine, EngineProcess):
