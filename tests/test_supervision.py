@@ -77,11 +77,15 @@ def engine_pid() -> int:
     return engine_processes()[0]
 
 
+# The HTTP side's threads, by name: an in-process engine of an earlier test may leave threads of its own (aftgen-*)
+SERVER_THREADS = ("aftgen-http", "aftgen-engine-sends", "aftgen-engine-events")
+
+
 def server_tasks() -> list[Path]:
     """The server's threads in this process (uvicorn's loop, the engine's writer and reader: named aftgen-*), and
     its engine's process, as /proc folders: not the other threads here, which earlier tests may have left."""
     threads = [Path(f"/proc/self/task/{thread.native_id}") for thread in threading.enumerate()
-               if thread.name.startswith("aftgen-")]  # fmt: skip
+               if thread.name in SERVER_THREADS]  # fmt: skip
     return [*threads, Path(f"/proc/{engine_pid()}")]
 
 
