@@ -1,4 +1,4 @@
-"""Where the math runs: device, mixed-precision dtype, CPU threads and torch.compile, for every command.
+"""Where the math runs: device, mixed-precision dtype and CPU threads, for every command.
 
 `--device auto` picks CUDA, then Apple's MPS, then the CPU. `--dtype auto` picks bf16 autocast on
 GPUs that have it (fp16 on older CUDA GPUs) and fp32 elsewhere: CPU autocast is often slower than
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,38 +166,3 @@ def release_freed_memory() -> None:
     """
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-class Compiled:
-    """`function` through torch.compile, or `function` itself where compiling fails.
-
-    torch.compile is lazy, so a failure (no C++ compiler, an op it cannot trace) surfaces on the first
-    call; that call is redone eagerly, `failure` says why, and `warn` (if given) hears it once.
-    """
-
-    def __init__(self, function: Callable, warn: Callable[[str], None] | None = None, **options) -> None:
-        self.function, self.warn = function, warn
-        self.failure: str | None = None
-        try:
-            self._compiled = torch.compile(function, **options)
-        except Exception as exc:  # a platform torch.compile does not support
-            self._fall_back(exc)
-
-    def __call__(self, *args, **kwargs):
-        if self.failure is None:
-            try:
-                return self._compiled(*args, **kwargs)
-            except Exception as exc:  # no C++ compiler, an unsupported op, ...: eager always works
-                self._fall_back(exc)
-        return self.function(*args, **kwargs)
-
-    def _fall_back(self, exc: Exception) -> None:
-        self.failure = failure_line(exc)
-        if self.warn is not None:
-            self.warn(self.failure)
-
-
-def failure_line(exc: Exception) -> str:
-    """Why compiling failed, in one line: the exception's type and the first line of its message."""
-    first_line = next(iter(str(exc).strip().splitlines()), "")
-    return f"{type(exc).__name__}: {first_line[:200]}" if first_line else type(exc).__name__

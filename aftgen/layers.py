@@ -13,8 +13,8 @@ pass that reads it (the old 7.9M-parameter shipped model's step: 1.0 ms on one c
 
 The matrix kernels change the order of their products' sums with the number of rows
 (MKL's float32 ones for any batch; oneDNN's bf16 ones past 32 rows, or at other sizes), so a row's logits
-would depend on the rows beside it. Under `invariant_products()` (the batch-invariant step, aftgen.model
-.compile_step) every product goes through aftgen.rowdot instead, which sums each row in one order alone or
+would depend on the rows beside it. Under `invariant_products()` (the batch-invariant step, aftgen.compiled
+.step.compile_step) every product goes through aftgen.rowdot instead, which sums each row in one order alone or
 among any others.
 """
 

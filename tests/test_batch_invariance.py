@@ -17,9 +17,10 @@ from typer.testing import CliRunner
 
 from aftgen import rowdot
 from aftgen.cli import app
+from aftgen.compiled.step import compile_step
 from aftgen.device import Placement
 from aftgen.layers import Invariance
-from aftgen.model import AFTLM, AFTConfig, clone_state, compile_step
+from aftgen.model import AFTLM, AFTConfig, clone_state
 from aftgen.serve import batch as batch_module
 from aftgen.serve.batch import Batch, CompiledBatchStep, eager_step
 

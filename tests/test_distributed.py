@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from aftgen.api import load
 from aftgen.checkpoint import load_checkpoint, save_checkpoint
-from aftgen.device import Compiled, Placement, resolve
+from aftgen.compiled.functions import Compiled
+from aftgen.device import Placement, resolve
 from aftgen.errors import AftgenError
 from aftgen.mixers import AFTMixer
 from aftgen.training.batches import batch

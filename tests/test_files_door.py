@@ -24,7 +24,7 @@ import aftgen
 from aftgen.api import load
 from aftgen.bench.measure import tree_memory_mb
 from aftgen.checkpoint import CHECKPOINT_FILES
-from aftgen.compiled_cache import cached_package
+from aftgen.compiled.cache import cached_package
 from aftgen.corpus.cache import TokenFiles
 from aftgen.errors import AftgenError
 from aftgen.files import (

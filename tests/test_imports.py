@@ -14,9 +14,10 @@ PACKAGE = Path(aftgen.__file__).parent
 # __init__ alone. A new module is listed here, where it belongs.
 LAYERS = {
     "foundations": ["aftgen.errors", "aftgen.options", "aftgen.files", "aftgen.device", "aftgen.distributed",
-                    "aftgen.cores", "aftgen.layers", "aftgen.mixers", "aftgen.tokenizer", "aftgen.aoti",
-                    "aftgen.compiled_cache", "aftgen.rowdot"],
+                    "aftgen.cores", "aftgen.layers", "aftgen.mixers", "aftgen.tokenizer", "aftgen.compiled",
+                    "aftgen.rowdot"],
     "model": ["aftgen.model", "aftgen.checkpoint", "aftgen.hf", "aftgen.corpus", "aftgen.hub", "aftgen.api", "aftgen"],
+    "compiled code": ["aftgen.compiled.step", "aftgen.compiled.functions"],
     "generation": ["aftgen.constraints", "aftgen.generation", "aftgen.state", "aftgen.chat", "aftgen.evaluate"],
     "run records": ["aftgen.record", "aftgen.curves", "aftgen.card"],
     "training": ["aftgen.training"],

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from aftgen import compiled_cache, files, layers, rowdot
-from aftgen.compiled_cache import compiled_folder
+from aftgen import files, layers, rowdot
+from aftgen.compiled import cache as compiled_cache
+from aftgen.compiled.cache import compiled_folder
 from aftgen.errors import AftgenError
 
 WEIGHTS = {"float32": torch.float32, "bf16": torch.bfloat16}

@@ -10,7 +10,7 @@ import torch
 from torch._inductor.exc import InvalidCxxCompiler
 
 from aftgen import rowdot
-from aftgen.compiled_cache import CacheUnusable
+from aftgen.compiled.cache import CacheUnusable
 from aftgen.generation.scores import read_score, token_scores
 
 LEVELS = range(rowdot.scores_levels())

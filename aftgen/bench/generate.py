@@ -16,10 +16,12 @@ import torch
 
 from aftgen.bench.measure import fastest_side_by_side, memory_mb, prefill_timer, products_timer, read_until, step_timer
 from aftgen.bench.targets import TARGETS, Row
+from aftgen.compiled.functions import compile_prefill
+from aftgen.compiled.step import compile_step
 from aftgen.generation.controls import SamplingOptions
 from aftgen.generation.loop import generate
 from aftgen.generation.prompt import PROMPT_CHUNK, PromptReader
-from aftgen.model import AFTLM, AFTConfig, clone_state, compile_prefill, compile_step, tokens_read
+from aftgen.model import AFTLM, AFTConfig, clone_state, tokens_read
 
 CONTEXTS = (1_000, 8_000, 32_000, 100_000)
 GENERATED = (1_000, 100_000)  # generated-token counts at which memory is compared

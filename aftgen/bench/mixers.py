@@ -13,12 +13,13 @@ import torch
 
 from aftgen.bench.measure import fastest_side_by_side, in_fresh_process, memory_mb, read_until, step_timer
 from aftgen.bench.targets import BASELINE, SUBJECT, TARGETS, Row
+from aftgen.compiled.step import compile_step
 from aftgen.device import synchronize
 from aftgen.errors import AftgenError
 from aftgen.generation.prompt import PROMPT_CHUNK
 from aftgen.mixers import fixed_size_state
 from aftgen.mixers.attention import filled_cache
-from aftgen.model import AFTLM, AFTConfig, compile_step
+from aftgen.model import AFTLM, AFTConfig
 from aftgen.training.probe import training_step
 
 TRAIN_LENGTHS = (256, 1024, 4096)

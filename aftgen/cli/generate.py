@@ -134,8 +134,8 @@ def _load_for_generation(
     """(model, tokenizer, context or None, step function), telling stderr about the compile; `constraint`
     compiled for the tokenizer, so that one that cannot be is refused before any text."""
     from aftgen.api import load
+    from aftgen.compiled.step import compile_step as compiled
     from aftgen.constraints import compiled as compiled_constraint
-    from aftgen.model import compile_step as compiled
     from aftgen.state import load_state as read_state
 
     lm, tokenizer = load(model, where.device)
@@ -240,9 +240,9 @@ def prime(
     **hardware,
 ) -> None:
     """Read a text once into a state file that `sample`/`chat --load-state` start from."""
+    from aftgen.compiled.functions import compile_prefill as compiled
     from aftgen.corpus.sources import read_document, scan_file
     from aftgen.generation.prompt import PROMPT_CHUNK, read_prompt
-    from aftgen.model import compile_prefill as compiled
     from aftgen.model import tokens_read
     from aftgen.state import save_state as write_state
 

@@ -10,7 +10,7 @@ row m of x and row n of w alone, in an order fixed by the machine and w's shape:
 - otherwise 16 partial sums an output, input k into sum k mod 16, then a fixed tree, in register blocks of the
   machine's width (AVX-512, AVX2 or 128-bit): about MKL's float32 speed at 32 rows.
 
-Its products run on one thread, as the batch-invariant step's other kernels do (aftgen.model.STEP_THREADS).
+Its products run on one thread, as the batch-invariant step's other kernels do (aftgen.compiled.step.STEP_THREADS).
 The library also holds the serving step's scores for `logprobs` (top_scores.cpp, through top_scores here) and the
 HTTP side's JSON of them (score_json.cpp, through ScoreJSON).
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from aftgen.compiled_cache import cached_library, compiled_folder
+from aftgen.compiled.cache import cached_library, compiled_folder
 from aftgen.errors import AftgenError
 from aftgen.files import own_source, shown
 
@@ -95,7 +95,7 @@ def library() -> ctypes.CDLL:
 
 def library_path() -> Path:
     """The library in aftgen's cache as built and recorded: built now where it is missing or differs from its
-    record (aftgen.compiled_cache), with a line saying so where it was damaged."""
+    record (aftgen.compiled.cache), with a line saying so where it was damaged."""
     return cached_library(compiled_folder() / f"rowdot-{_key()}.so", _build)[0]
 
 
@@ -121,7 +121,7 @@ def _key() -> str:
 
 
 def _build(path: Path) -> None:
-    """Compile the sources into `path`, in a folder of this process's own (aftgen.compiled_cache copies the
+    """Compile the sources into `path`, in a folder of this process's own (aftgen.compiled.cache copies the
     library into the cache)."""
     from torch.utils.cpp_extension import include_paths, library_paths
 

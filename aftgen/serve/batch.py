@@ -25,10 +25,11 @@ from collections.abc import Callable
 
 import torch
 
+from aftgen.compiled.step import compile_step
 from aftgen.device import Placement
 from aftgen.layers import Invariance, judged
 from aftgen.mixers import fixed_size_state
-from aftgen.model import AFTLM, ModelState, StepFunction, compile_step, tokens_read
+from aftgen.model import AFTLM, ModelState, StepFunction, tokens_read
 
 # Seconds a starting server waits for its compiled step before it listens. A first compile of a new model can
 # take longer on two cores: the server then listens, /health answers 503 and requests wait until it is done.
@@ -131,7 +132,7 @@ def rows_apart(step: StepFunction) -> StepFunction:
 
 
 class CompiledBatchStep:
-    """The model's step compiled for 1 to `rows` rows (model.compile_step) under `placement`, as the batch runs
+    """The model's step compiled for 1 to `rows` rows (compiled.step.compile_step) under `placement`, as the batch runs
     it; the eager step (`eager_step`) where compiling fails (one line on stderr says why). `invariance`
     (aftgen.layers.batch_invariant): whether its rows do not depend on each other (compile_step); where that is
     only the default, the step compiled is timed against the matrix kernels' one and kept unless over a tenth

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 
 from aftgen import cores, curves, distributed, evaluate
 from aftgen.checkpoint import TOKENIZER, WEIGHTS, read_weights
+from aftgen.compiled.functions import Compiled
 from aftgen.corpus import PreparedCorpus, prepare_corpus
-from aftgen.device import Compiled, Placement, resolve
+from aftgen.device import Placement, resolve
 from aftgen.distributed import World
 from aftgen.errors import AftgenError
 from aftgen.mixers import fixed_size_state

@@ -29,7 +29,7 @@ def test_generation_is_seeded_and_stop_strings_cut_it(tiny):
 
 def test_compiled_step_generates_what_the_eager_step_does(tiny_run):
     """sample/chat --compile: the step through torch.compile gives the eager step's logits and states."""
-    from aftgen.model import compile_step
+    from aftgen.compiled.step import compile_step
 
     model, tokenizer = load(str(tiny_run), device=DEVICE)
     step, note = compile_step(model)

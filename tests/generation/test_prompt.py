@@ -265,7 +265,7 @@ def test_prime_reads_a_long_text_in_chunks(tiny, tiny_run, corpus, tmp_path, mon
 def test_compiled_chunk_reader_reads_a_long_prompt_as_eager_does(tiny_run, monkeypatch):
     """prime --compile's reader: whole chunks through the compiled prefill (compiled whole: torch.compile with
     fullgraph, never the eager fallback), the rest eager, the same state."""
-    from aftgen.model import compile_prefill
+    from aftgen.compiled.functions import compile_prefill
 
     monkeypatch.setattr(prompt_module, "PROMPT_CHUNK", 64)
     model, tokenizer = load(str(tiny_run), device=DEVICE)
@@ -283,7 +283,7 @@ def test_compiled_chunk_reader_reads_a_long_prompt_as_eager_does(tiny_run, monke
 
 
 def test_chunk_reader_falls_back_to_eager_where_compiling_fails(tiny_run, monkeypatch):
-    from aftgen.model import compile_prefill
+    from aftgen.compiled.functions import compile_prefill
 
     def no_compiler(function, **options):
         def fails(*args, **kwargs):

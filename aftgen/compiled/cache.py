@@ -254,3 +254,9 @@ def _extract_library(package: Path) -> None:
         if len(members) != 1:
             raise RuntimeError(f"{package} holds {len(members)} libraries, not one")
         files.atomic_write(library_of(package), archive.read(members[0]), durable=False)  # its CRC checked
+
+
+def use_persistent_compile_cache() -> None:
+    """Keep PyTorch's compile caches (inductor's FX graph and AOTAutograd caches) in compiled_folder(), so
+    a second start compiles in seconds; a TORCHINDUCTOR_CACHE_DIR already set wins."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compiled_folder() / "torch"))

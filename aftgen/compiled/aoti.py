@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from aftgen.compiled_cache import library_of
+from aftgen.compiled.cache import library_of
 
 _new_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors  # a new at::Tensor* for each, in capsules
 _tensors_of_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
@@ -57,7 +57,7 @@ class UnlockedRunner:
         self._held_handles: list = []  # changed in place: the finalizer frees what it holds at the end
         self._constant_handles: list = []
         self.container = ctypes.c_void_p()
-        self.library = ctypes.CDLL(str(library_of(package_path)))  # checked by compiled_cache
+        self.library = ctypes.CDLL(str(library_of(package_path)))  # checked by aftgen.compiled.cache
         weakref.finalize(self, _close, self.library, self.container, self._held_handles, self._constant_handles)
         _check(self.library.AOTInductorModelContainerCreateWithDevice(ctypes.byref(self.container), 1, b"cpu", None))
         self._set_constants(constants)

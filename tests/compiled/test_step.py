@@ -1,4 +1,4 @@
-"""The compiled step (aftgen.model.compile_step) is the eager step, faster: the same logits and states at every
+"""The compiled step (aftgen.compiled.step.compile_step) is the eager step, faster: the same logits and states at every
 batch size it serves, the model's own weights, and the eager step wherever it cannot serve."""
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import pytest
 import torch
 from conftest import no_compiler, on_device
 
-import aftgen.model
-from aftgen.compiled_cache import library_of
+import aftgen.compiled.step
+from aftgen.compiled.cache import library_of
+from aftgen.compiled.step import compile_step, loaded_runner, step_constants, step_package
 from aftgen.layers import linear, written_products
-from aftgen.model import AFTLM, AFTConfig, clone_state, compile_step, loaded_runner, step_constants, step_package
+from aftgen.model import AFTLM, AFTConfig, clone_state
 
 MAX_BATCH = 32
 
@@ -225,7 +226,7 @@ def stand_in_compiler(compiled, monkeypatch) -> list[str]:
         builds.append(path.name)
         aftgen.files.atomic_write(path, compiled_package, durable=False)
 
-    monkeypatch.setattr(aftgen.model, "_package_step", compile_again)
+    monkeypatch.setattr(aftgen.compiled.step, "_package_step", compile_again)
     return builds
 
 
@@ -278,15 +279,16 @@ def test_a_library_cut_short_is_compiled_again_not_loaded(compiled, tmp_path):
     shutil.copyfile(package, compiled_package)
     library_of(package).write_bytes(library_of(package).read_bytes()[:50_000])
     child = f"""
-import shutil, aftgen.model
-from test_compiled_step import MAX_BATCH, assert_gives_the_eager_logits, tiny_model
-aftgen.model._package_step = lambda model, rows, written, path: shutil.copyfile({str(compiled_package)!r}, path)
+import shutil, aftgen.compiled.step
+from test_step import MAX_BATCH, assert_gives_the_eager_logits, tiny_model
+aftgen.compiled.step._package_step = lambda model, rows, written, path: shutil.copyfile({str(compiled_package)!r}, path)
 model = tiny_model()
-step, note = aftgen.model.compile_step(model, MAX_BATCH)
+step, note = aftgen.compiled.step.compile_step(model, MAX_BATCH)
 assert_gives_the_eager_logits(model, step)
 print(note)
 """
-    env = os.environ | {"AFTGEN_CACHE": str(tmp_path)}
+    tests = os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])  # conftest's
+    env = os.environ | {"AFTGEN_CACHE": str(tmp_path), "PYTHONPATH": tests}
     result = subprocess.run(
         [sys.executable, "-c", child], cwd=Path(__file__).parent, capture_output=True, text=True, env=env, timeout=300
     )
