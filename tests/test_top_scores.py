@@ -131,7 +131,7 @@ def records(scored: list[tuple[int, str]]) -> list[tuple]:
      InvalidCxxCompiler(),  # what torch raises where it finds no compiler at all
      CacheUnusable("/cache/compiled is not a folder"), OSError("cannot open shared object file")],
 )  # fmt: skip
-def test_without_the_library_the_records_are_torchs_and_the_build_is_tried_once(failure, monkeypatch):
+def test_without_the_library_the_records_are_torchs_and_the_build_is_tried_once(failure, monkeypatch, capsys):
     logits = logits_without_ties(8, 256, seed=1)
     tokens = torch.arange(8) * 30
     with_library = records(token_scores(logits, tokens, 5))
@@ -148,6 +148,8 @@ def test_without_the_library_the_records_are_torchs_and_the_build_is_tried_once(
         assert builds == [1] and first == second
     finally:
         rowdot.scores_library.cache_clear()
+    said = capsys.readouterr().err.splitlines()  # why, once
+    assert len(said) == 1 and said[0].endswith("log-probabilities are scored through torch"), said
     for ours, torchs in zip(with_library, first, strict=True):
         assert ours[:3:2] == torchs[:3:2]  # the token and its alternatives' ids
         assert ours[1] == pytest.approx(torchs[1]) and ours[3] == pytest.approx(torchs[3])

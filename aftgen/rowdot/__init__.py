@@ -28,6 +28,7 @@ import os
 import platform
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -182,12 +183,14 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 @functools.cache
 def scores_library() -> ctypes.CDLL | None:
-    """The library for top_scores, or None where it cannot be built or loaded here, for any reason (no compiler, a
-    cache folder that cannot be used): asked once, as a step must not wait on a compiler that failed, and a
-    request's scores must not fail where torch.topk can give them."""
+    """The library for top_scores, or None where it cannot be built or loaded here (no compiler, a build that failed,
+    a cache folder that cannot be used), said once in one line: asked once, as a step must not wait on a compiler
+    that failed, and a request's scores must not fail where torch.topk can give them."""
     try:
         return library()
-    except Exception:
+    except (AftgenError, OSError, RuntimeError) as exc:  # torch's InvalidCxxCompiler (no compiler) is a RuntimeError
+        print(f"warning: {exc or type(exc).__name__}: log-probabilities are scored through torch", file=sys.stderr,
+              flush=True)  # fmt: skip
         return None
 
 
