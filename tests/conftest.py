@@ -7,6 +7,7 @@ the `cpu` marker and run there whatever the variable says (`-m "not cpu"` leaves
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -77,8 +78,8 @@ def _exact_matmuls():
     torch.backends.cudnn.allow_tf32 = False
 
 
-@pytest.fixture
-def one_thread():
+@contextlib.contextmanager
+def torch_on_one_thread():
     """Tiny models on a shared 2-core machine run fastest on one thread."""
     import torch
 
@@ -86,6 +87,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_thread():
+    with torch_on_one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def one_thread_per_module():
+    """One thread for a whole module, so that its module-scoped servers (their engine threads too) start on it."""
+    with torch_on_one_thread():
+        yield
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 from conftest import no_compiler
-from test_serve import LONG, Stream, busy_slots, client, running
+from serving import LONG, Stream, busy_slots, client, running
 from typer.testing import CliRunner
 
 from aftgen import rowdot

@@ -18,7 +18,7 @@ import huggingface_hub.constants
 import numpy as np
 import pytest
 from fake_hub import FakeHub
-from test_serve import AUTH, running
+from serving import AUTH, running
 
 import aftgen
 from aftgen.api import load

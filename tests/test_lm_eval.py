@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_serve import KEY, running
+from serving import KEY, running
 
 from aftgen.api import load
 from aftgen.corpus.sources import scan_file

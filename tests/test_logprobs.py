@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from conftest import DEVICE, make_corpus
-from test_serve import assert_openai_error, client, post, running, server_options, serving
+from serving import assert_openai_error, client, post, running, server_options, serving
 
 from aftgen import rowdot
 from aftgen.api import load

@@ -7,7 +7,7 @@ import pytest
 import test_mixers
 import torch
 from conftest import DEVICE, train_tiny
-from test_serve import client, running
+from serving import client, running
 from typer.testing import CliRunner
 
 from aftgen.checkpoint import load_checkpoint, save_checkpoint

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import jsonschema
 import pytest
-from test_serve import KEY, busy_slots, client, running, wait_for
+from serving import KEY, busy_slots, client, running, wait_for
 
 from aftgen.generation.controls import API_DEFAULTS, CONTROLS, SamplingOptions
 

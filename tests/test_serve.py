@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import errno
 import functools
@@ -30,6 +29,22 @@ import pytest
 import torch
 import typer
 from conftest import DEVICE, on_device
+from serving import (
+    AUTH,
+    KEY,
+    LONG,
+    Stream,
+    assert_openai_error,
+    busy_slots,
+    client,
+    engine_processes,
+    health,
+    post,
+    running,
+    server_options,
+    serving,
+    wait_for,
+)
 from typer.testing import CliRunner
 
 import aftgen.options
@@ -49,62 +64,13 @@ from aftgen.serve.app import Server
 from aftgen.serve.batch import Batch, CompiledBatchStep
 from aftgen.serve.engine import TEXT_EVERY, Engine
 from aftgen.serve.options import ServeOptions
-from aftgen.serve.remote import EngineProcess
 from aftgen.serve.schema import APIError, parse_request
-from aftgen.serve.server import prepare
 from aftgen.serve.sessions import SUFFIX, SessionStore
 from aftgen.serve.work import Done, Failed, Finished, Started, Text, Ticket, Work, merged_texts
 from aftgen.state import load_state
 from aftgen.tokenizer import Tokenizer
 
-KEY = "test-key"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-LONG = 20_000  # tokens: a stream that outlasts anything a test waits for (it is closed before the end)
-LIMITS = dict(max_tokens=LONG, max_prompt_tokens=300, max_body_bytes=4096, parallel=16, queue=4)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models on a shared 2-core machine run fastest on one thread (the server's engine thread too)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def server_options(model_dir, **changes) -> ServeOptions:
-    """The tests' server options for `model_dir`. Its step is eager: a compile (tens of seconds) is tested
-    once, by bench serve's server."""
-    base = dict(model=str(model_dir), port=0, api_key=KEY, cache_mb=16, compile_step=False, device=DEVICE, dtype="fp32")
-    return ServeOptions(**base | LIMITS | changes)
-
-
-@contextlib.contextmanager
-def running(model_dir, in_process: bool = False, **changes) -> Iterator[str]:
-    """A server for `model_dir` on a free loopback port, its engine in a process of its own as `aftgen serve`
-    runs it (in_process: in this one, where a test changes the engine); yields its base URL."""
-    options = server_options(model_dir, **changes)
-    engine = Engine(*load(model_dir, DEVICE), options, resolve(DEVICE, "fp32")) if in_process else None
-    with serving(options, engine) as url:
-        yield url
-
-
-@contextlib.contextmanager
-def serving(options: ServeOptions, engine: Engine | EngineProcess | None) -> Iterator[str]:
-    """prepare(options, engine)'s server, run in a thread until the block ends; yields its base URL."""
-    server, sock, url = prepare(options, engine)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="aftgen-http", daemon=True)
-    thread.start()
-    for _ in range(200):
-        if server.started:
-            break
-        time.sleep(0.05)
-    assert server.started, "the server did not start"
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 @pytest.fixture(scope="module")
@@ -116,33 +82,6 @@ def url(tiny_run) -> Iterator[str]:
         children = set(engine_processes()) - before if tracked else set()
         yield base
     wait_for(lambda: not children & set(engine_processes() if tracked else []))
-
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
-
-
-def post(url: str, path: str, key: str | None = KEY, headers: dict | None = None, **kwargs) -> httpx.Response:
-    """A POST as a JSON client sends it (`headers` adds to or replaces the usual ones)."""
-    usual = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-    return httpx.post(f"{url}{path}", headers=usual | (headers or {}), timeout=60, **kwargs)
-
-
-def health(url: str) -> dict:
-    return httpx.get(f"{url}/health", headers=AUTH, timeout=10).json()
-
-
-def busy_slots(url: str) -> int:
-    return health(url)["slots_busy"]
-
-
-def wait_for(condition, tries: int = 500) -> None:
-    """Poll (bounded: 10 s) until the server reaches a state; fail if it never does."""
-    for _ in range(tries):
-        if condition():
-            return
-        time.sleep(0.02)
-    raise AssertionError("the server never got there")
 
 
 def library_text(model_dir, prompt: str, **options) -> str:
@@ -238,32 +177,6 @@ def test_completions_and_chat_through_the_openai_client(url, tiny_run):
     content = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert content == chat.choices[0].message.content and "\n\n" not in content  # the default stop: a blank line
     assert streamed[-1].usage.completion_tokens == chat.usage.completion_tokens > 0
-
-
-class Stream:
-    """A streaming completion left open; read it line by line, end it with close() (the client going away)."""
-
-    def __init__(self, http: httpx.Client, url: str, prompt: str, max_tokens: int, **fields):
-        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, **fields}
-        headers = {"Authorization": f"Bearer {KEY}"}
-        self.response = http.send(
-            http.build_request("POST", f"{url}/v1/completions", json=body, headers=headers), stream=True
-        )
-        assert self.response.status_code == 200, self.response.read()
-        self.lines = self.response.iter_lines()  # kept: dropping the iterator would close the connection
-
-    def texts(self, count: int | None = None) -> list[str]:
-        """The next `count` chunks' texts (None: all the rest)."""
-        found = []
-        for line in self.lines:
-            if line.startswith("data: {"):
-                found.append(json.loads(line[6:])["choices"][0]["text"])
-                if len(found) == count:
-                    break
-        return found
-
-    def close(self) -> None:
-        self.response.close()
 
 
 def test_seeded_request_gives_the_same_text_alone_and_among_eight_others(url, tiny_run):
@@ -399,14 +312,6 @@ def test_queued_requests_wait_and_a_disconnect_frees_the_slot_at_once(tiny_run):
             raw.sendall(f"{head}Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
             wait_for(lambda: health(url)["slots_busy"] == 1)
         wait_for(lambda: health(url)["slots_busy"] == 0)
-
-
-def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert error["param"] == param
-    return error
 
 
 @pytest.mark.parametrize(
@@ -1338,13 +1243,6 @@ def test_health_is_503_while_the_step_compiles_and_a_request_waits_for_it(tiny_r
         figures = health(url)
     assert calls and figures["step"] == "compiled" and figures["batch_invariant"] is False
     assert "step_note" not in figures
-
-
-def engine_processes() -> list[int]:
-    """This process's children that run an engine (aftgen.serve.remote)."""
-    pid = os.getpid()
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(child) for child in children if b"aftgen.serve.remote" in Path(f"/proc/{child}/cmdline").read_bytes()]
 
 
 def test_ctrl_c_stops_aftgen_serve_saying_only_that(tiny_run):

@@ -15,7 +15,6 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
-from test_serve import _one_thread  # noqa: F401 (autouse: the module runs on one thread)
 
 from aftgen.api import load
 from aftgen.chat import ROLES
@@ -26,6 +25,8 @@ from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.schema import IGNORED, NEUTRAL, sampling_fields
 from aftgen.serve.work import Done, Failed, Finished, Text, Work
+
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 KEY = "property-key"
 OPTIONS = dict(api_key=KEY, max_tokens=4, max_prompt_tokens=64, max_body_bytes=1 << 16, parallel=4, queue=4)

@@ -17,7 +17,7 @@ import pytest
 from conftest import DEVICE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serve import KEY, _one_thread, client, post, running  # noqa: F401 (_one_thread: autouse, one thread)
+from serving import KEY, client, post, running
 from typer.testing import CliRunner
 
 from aftgen import constraints
@@ -33,6 +33,8 @@ from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.schema import APIError, structured_outputs
 from aftgen.serve.work import Done, Failed, Text, Work
+
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 PERSON = {  # the issue's: a string of at most 20 characters, an integer and an enum
     "type": "object",

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import make_corpus
-from test_serve import (
+from serving import (
     AUTH,
     KEY,
     LONG,

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serve import AUTH, LIMITS, assert_openai_error, post, running
+from serving import AUTH, LIMITS, assert_openai_error, post, running
 
 from aftgen.serve.conversation import chat_ids
 from aftgen.tokenizer import Tokenizer

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import DEVICE
-from test_serve import post, running
+from serving import post, running
 from typer.testing import CliRunner
 
 from aftgen.api import load
