@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from fake_cores import Clock, peer
 
 from aftgen import cores
 from aftgen.cores import IDLE_AFTER, LOOK_EVERY, Registry, ThreadShare, fair_share
@@ -22,24 +23,9 @@ def _torch_threads_kept():
     torch.set_num_threads(before)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def share(tmp_path, count: int = 2, **options) -> tuple[ThreadShare, list[str], Clock]:
     said, clock = [], Clock()
     return ThreadShare(Registry(tmp_path), "train", count, say=said.append, clock=clock, **options), said, clock
-
-
-def peer(tmp_path, command: str = "serve", busy: bool = True) -> Registry:
-    """Another aftgen process: the test runner's parent, which is alive for as long as the test runs."""
-    registry = Registry(tmp_path, pid=os.getppid())
-    registry.write(command, busy)
-    return registry
 
 
 def dead_pid() -> int:

@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import DEVICE, make_corpus, train_tiny
 from fake_hub import FakeHub
+from hub_users import TOKEN, aftgen, aftgen_session, hub_env
 from safetensors.torch import load_file
-from test_hub import TOKEN, aftgen, aftgen_session, hub_env
 from typer.testing import CliRunner
 
 from aftgen.checkpoint import WEIGHTS, load_checkpoint

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cores import Clock, peer
+from fake_cores import Clock, peer
 
 from aftgen import cores
 from aftgen.cores import Registry, ThreadShare

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from fake_hub import FakeHub
-from test_hub import TOKEN, aftgen_session, hub_env
+from hub_users import TOKEN, aftgen_session, hub_env
 
 from aftgen.checkpoint import CHECKPOINT_FILES, load_checkpoint, read_config, save_checkpoint
 from aftgen.hf import SOURCES, TOKENIZER_CONFIG
