@@ -4,9 +4,13 @@ trains, samples and serves with nothing else changed; one whose state grows is r
 from __future__ import annotations
 
 import pytest
-import test_mixers
 import torch
 from conftest import DEVICE, train_tiny
+from mixer_checks import (
+    check_causality,
+    check_prefill_last_only_gives_the_last_logits_and_the_same_state,
+    check_prefill_then_step_equals_parallel,
+)
 from serving import client, running
 from typer.testing import CliRunner
 
@@ -97,9 +101,9 @@ def registered(monkeypatch) -> None:
 @pytest.mark.usefixtures("registered")
 @pytest.mark.parametrize("mixer", ["mean", "past_values"])
 def test_registered_mixers_pass_the_every_mixer_tests(mixer):
-    test_mixers.test_prefill_then_step_equals_parallel(mixer)
-    test_mixers.test_prefill_last_only_gives_the_last_logits_and_the_same_state(mixer)
-    test_mixers.test_causality(mixer)
+    check_prefill_then_step_equals_parallel(mixer)
+    check_prefill_last_only_gives_the_last_logits_and_the_same_state(mixer)
+    check_causality(mixer)
 
 
 @pytest.mark.usefixtures("registered", "one_thread")
