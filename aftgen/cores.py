@@ -32,7 +32,7 @@ from aftgen.errors import AftgenError
 from aftgen.files import atomic_write, cache_dir, read_bytes, read_record, shown
 
 SOLO_VARIABLE = "AFTGEN_SOLO"  # set: every core and no registry (the behaviour before it; a bench of one job alone)
-LOOK_EVERY = 2.0  # seconds between two looks at the registry: a look costs about 0.1 ms, a wrong share far more
+LOOK_EVERY = 2.0  # seconds between two looks at the registry: a look is cheap, a wrong share far dearer
 IDLE_CPU = 0.2  # cores: a peer that says it is busy but used less than this since the last look is not (a
 # process that ran an aftgen command in-process and went on with other things, a chat waiting for its user)
 IDLE_AFTER = 1.0  # seconds without work before a server gives its share back (a client's next request is quick)

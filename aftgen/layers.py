@@ -6,10 +6,10 @@ to twice the speed, and a CPU with bf16 units multiplies them at twice the rate.
 and the recurrent state stay float32 either way.
 
 One row at a time (a single stream's step) the product is a matrix-vector one, bound by reading the weights:
-a CPU's bf16 matrix kernels then take longer than float32's (1.7 ms against 1.45 for the shipped model on one
-core), though they read half the bytes. Compiled under `written_products()`, the product is written out as
-the broadcast multiply and sum that it is, and the compiler fuses the widening of each weight into the one
-pass that reads it (the old 7.9M-parameter shipped model's step: 1.0 ms on one core).
+a CPU's bf16 matrix kernels then take longer than float32's, though they read half the bytes. Compiled
+under `written_products()`, the product is written out as the broadcast multiply and sum that it is, and the
+compiler fuses the widening of each weight into the one pass that reads it, faster than either kernel
+(figures: docs/benchmarks.md, "Figures behind the code's choices").
 
 The matrix kernels change the order of their products' sums with the number of rows
 (MKL's float32 ones for any batch; oneDNN's bf16 ones past 32 rows, or at other sizes), so a row's logits

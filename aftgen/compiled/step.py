@@ -42,8 +42,8 @@ STEP_PACKAGE_CONFIG = {
 # compiled: they follow aftgen.cores' share. A single row's work between its products (a few hundred numbers
 # a kernel) is shorter than waking a second thread: its kernels run on one, its products on torch's threads.
 # So do the batch-invariant package's, whose products (aftgen.rowdot) run on one thread: one package serves
-# every batch, and at one row its kernels on one thread took 0.27 ms a step against 0.33 with torch's (one
-# torch thread, the shipped model), the same at 32 rows.
+# every batch, and at one row its kernels on one thread were faster than with torch's (one torch thread, the
+# shipped model), and no slower at 32 rows (figures: docs/benchmarks.md).
 STEP_THREADS = {"rows": {"cpp.dynamic_threads": True}, "one thread": {"cpp.threads": 1}}
 WRITTEN_CONFIG = {"emulate_precision_casts": True}  # written-out products round to bf16 where the matrix kernels do
 # The kinds of step package: the matrix kernels' (a batch's); a single row's with its products written out, for

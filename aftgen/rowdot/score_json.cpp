@@ -1,7 +1,8 @@
 // OpenAI's `logprobs` JSON of tokens' scores, from the engine's score records: what aftgen.serve.replies's
 // ScoreWriter writes in Python, byte for byte, for every token of a turn's events at once. Written in Python a
-// token at a time, with `logprobs: 5` (six figures, six names), it cost the HTTP side 14 us a token inside a busy
-// server, as much as the rest of a chunk, on cores it shares with the engine; a call a chunk through ctypes, 6.
+// token at a time, with `logprobs: 5` (six figures, six names), it cost the HTTP side as much a token inside a
+// busy server as the rest of a chunk, on cores it shares with the engine; a call a chunk through ctypes, less than
+// half of that (figures: docs/benchmarks.md).
 //
 // tokens: "token top chat record" for each, separated by spaces: `top` alternatives at most, chat 1 for chat's
 // shape; a record is aftgen.generation.scores' (the hex of little-endian float32 [the token's log-probability, the

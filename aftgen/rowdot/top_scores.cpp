@@ -1,8 +1,9 @@
 // The scores a step reports for `logprobs`: each row's chosen token's log-probability and its k likeliest
 // tokens', packed as aftgen.generation.scores' records are (token_scores), read from the step's
 // logits in one call. Inside the serving engine, which sets the pace, torch's log_softmax and a top-k over a step's
-// 32 rows of 1,024 logits cost 156 us a step, half of it in a top-k whose branches mispredicted on each step's fresh
-// logits (a loop timing the same logits again and again teaches the predictor, and reads a third of that). Here:
+// 32 rows of 1,024 logits cost a visible share of a step, half of it in a top-k whose branches mispredicted on each
+// step's fresh logits (a loop timing the same logits again and again teaches the predictor, and reads far less;
+// figures: docs/benchmarks.md). Here:
 // the maxima of 64 interleaved groups, whose k-th bounds the row's k-th value from the start, so few branches go
 // the rare way, and a log-sum-exp whose exp the compiler vectorises.
 //

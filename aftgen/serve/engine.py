@@ -56,9 +56,9 @@ from aftgen.tokenizer import Tokenizer
 
 OVERLOADED = "every generation slot is taken and the queue is full; try again shortly"
 # Seconds a turn's text may wait to go out with the next turns' text: each hand-over wakes the HTTP side, which
-# cost the engine about 70 us a turn on a 2-core VM (a sixth of a small model's step at one row). Shorter than
-# a turn with many rows, so a busy server's token gaps stay one turn each (2 ms made them alternate between one
-# turn and two: ITL p99 / p50 at 32 streams 2.2x).
+# costs the engine a noticeable share of a small model's step at one row. Shorter than a turn with many rows,
+# so a busy server's token gaps stay one turn each (a longer wait made them alternate between one turn and two,
+# widening the inter-token latency's tail; figures: docs/benchmarks.md).
 TEXT_EVERY = 0.001
 # A constrained row's masks may take this share of the batch's step time, after MASK_GRACE seconds (the first
 # masks of a large schema): then the rows beside it keep at least half their speed, and the costliest
@@ -256,8 +256,8 @@ class Engine:
 
     def _sleep(self) -> None:
         """Nothing to do: sleep until work comes (submit, cancel and stop wake the loop), text waiting here is
-        due, or the process is to give its cores back. An idle server wakes for nothing else: a wake costs a
-        2-core VM about 5 ms of CPU (caches gone cold), so waking twice a second cost 1% of a core."""
+        due, or the process is to give its cores back. An idle server wakes for nothing else: each wake finds the
+        caches gone cold and costs CPU, so even waking twice a second kept a core measurably busy."""
         due = [self.sent + TEXT_EVERY - self.clock()] if self.outbox else []
         if self.waiting:  # requests waiting for the step: their deadlines are kept meanwhile
             due.append(min(ticket.deadline for ticket in self.waiting) - self.clock())

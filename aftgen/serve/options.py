@@ -18,8 +18,8 @@ from aftgen.options import HARDWARE_PANEL, POSITIVE, Range, check_ranges, option
 API_KEY = re.compile(r"[!-~]+")  # printable ASCII, no spaces: what an HTTP header carries as it was typed
 
 # Cores left to the HTTP side, which formats and sends every token of every stream while the model steps:
-# torch's threads spinning on every core starve it (measured with 32 streams on a busy 2-core machine:
-# p99 inter-token latency 72 ms on one thread, 120 ms on two).
+# torch's threads spinning on every core starve it (measured with 32 streams on a busy machine: the p99
+# inter-token latency was far worse with torch on every core; figures: docs/benchmarks.md).
 HTTP_CORES = 1
 
 

@@ -108,8 +108,8 @@ def bounded_connections(read_timeout: float, max_connections: int) -> type[Bound
 
 class QuietServer(uvicorn.Server):
     """uvicorn's server, whose housekeeping (the Date header, the exit check) wakes the event loop once a second
-    instead of ten times, and at once when told to exit: on a 2-core VM a wake costs about 0.6 ms of CPU, so
-    uvicorn's own timer kept an idle server at 0.6% of a core."""
+    instead of ten times, and at once when told to exit: each wake costs CPU, so uvicorn's own timer kept an
+    idle server measurably busy (figures: docs/benchmarks.md)."""
 
     _loop: asyncio.AbstractEventLoop | None = None
 

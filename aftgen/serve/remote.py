@@ -2,8 +2,8 @@
 
 In one process, the engine thread and the HTTP thread take turns on Python's lock: every small tensor
 operation of a turn gives it up, and getting it back waits while the HTTP side frames and sends the tokens
-of the turn before. Measured with the shipped model on 2 cores, the engine alone made 13,900 tokens/s at 32
-rows and 1,600 at one; behind HTTP in one process, 8,300 and 990 (docs/benchmarks.md, issue 32).
+of the turn before. Measured with the shipped model, the engine behind HTTP in one process made about
+two-fifths fewer tokens a second than the engine alone, at one row and at 32 (docs/benchmarks.md, issue 32).
 
 So `aftgen serve` runs the Engine in a child process (`python -m aftgen.serve.remote FD`), and the HTTP side
 talks to it through `EngineProcess`, which offers what Server calls on an Engine: submit, cancel, figures, start,
@@ -55,8 +55,8 @@ STOP_TIMEOUT = 10.0  # seconds the child gets to finish its turn and leave befor
 ANSWER_WITHIN = 1.0  # seconds /health waits for the child's figures: past that, it is not answering
 RESTARTS_PER_MINUTE = 5  # a child that keeps dying is not restarted more often: the server exits instead
 # Seconds between looks for the child's messages while requests run. A message to a reader asleep in the
-# kernel makes the child wake it (about 20 us of the child's time on a 2-core VM, 66 us a message seen in
-# the engine's turn); to a reader that looks on its own clock, 4 us. Idle, the reader sleeps until woken.
+# kernel makes the child wake it, which costs the child's turn several times what a message to a reader that
+# looks on its own clock does (figures: docs/benchmarks.md). Idle, the reader sleeps until woken.
 LOOK_EVERY = 0.0005
 ENGINE_GONE = "the generation process stopped unexpectedly (see the server's log); it is being started again"
 RESTARTING = "the generation process is starting again after it stopped unexpectedly; try again shortly"
@@ -412,7 +412,7 @@ def _child(connection: Connection) -> None:
 @contextlib.contextmanager
 def loaded_kept() -> Iterator[None]:
     """While serving, what is loaded so far is left out of the garbage collector's full collections (one
-    scans about 300,000 objects: 100 ms in which every stream waits); it is handed back at the end, for
+    scans every loaded object, a pause in which every stream waits); it is handed back at the end, for
     the exit to free (nanobind reports what is left)."""
     gc.freeze()
     try:
