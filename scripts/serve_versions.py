@@ -3,10 +3,10 @@
     python scripts/serve_versions.py BEFORE_TREE AFTER_TREE [--rounds 3] [--tokens 256]
 
 Each round starts one server from each tree in turn (its code put first on PYTHONPATH), waits until its
-`/health` answers 200, warms it with a short phase at each width, then times 1 and 32 concurrent streams of
-`--tokens` tokens each; the figure kept for a tree is its best round (other processes only ever add time).
-The clients are the bench's own (aftgen.bench.serve) from the tree this script runs in. Prints each round and
-the ratios after / before.
+`/health` admits requests (the bench's ServerProcess does), warms it with a short phase at each width, then
+times 1 and 32 concurrent streams of `--tokens` tokens each; the figure kept for a tree is its best round
+(other processes only ever add time). The clients are the bench's own (aftgen.bench.serve) from the tree this
+script runs in. Prints each round and the ratios after / before.
 """
 
 from __future__ import annotations
@@ -14,35 +14,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from aftgen.bench.options import BenchServeOptions
 from aftgen.bench.serve import ServerProcess, phase_figures, run_phase
 
 WIDTHS = (1, 32)
-READY_TIMEOUT = 300.0  # seconds for a server's step to be ready (a cold compile included)
-
-
-def wait_ready(server: ServerProcess) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://{server.host}:{server.port}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, TimeoutError, ConnectionError):
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the server at port {server.port} was not ready within {READY_TIMEOUT:.0f} s")
 
 
 def one_server(tree: Path, tokens: int) -> dict[int, float]:
     env = os.environ | {"PYTHONPATH": str(tree)}
     with ServerProcess(BenchServeOptions(tokens=tokens), env=env) as server:
-        wait_ready(server)
         for streams in WIDTHS:
             asyncio.run(run_phase(server.host, server.port, streams, 16))
         return {

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,6 +132,7 @@ class ServerProcess:
             command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log, env=env
         )
         self.host, self.port = self._address()
+        self._until_ready()
 
     def _address(self) -> tuple[str, int]:
         deadline = time.monotonic() + START_TIMEOUT
@@ -145,6 +147,23 @@ class ServerProcess:
             time.sleep(0.1)
         self.close()
         raise AftgenError(f"bench serve: the server did not listen within {START_TIMEOUT:.0f} s")
+
+    def _until_ready(self) -> None:
+        """Wait until /health admits requests (503 while the server's step compiles)."""
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                self.health()
+                return
+            except urllib.error.HTTPError as error:
+                if error.code != 503:
+                    raise
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.2)
+        said = read_log(self.log.name)[-500:]
+        self.close()
+        raise AftgenError(f"bench serve: the server was not ready within {START_TIMEOUT:.0f} s: {said}")
 
     def health(self) -> dict:
         with urllib.request.urlopen(f"http://{self.host}:{self.port}/health", timeout=30) as response:
