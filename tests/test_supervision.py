@@ -199,7 +199,7 @@ def test_an_idle_server_uses_no_cpu_after_clients_left(supervised, long_prompt):
 
 
 def test_a_server_that_sleeps_while_idle_still_dates_its_replies(supervised):
-    """The loop's housekeeping runs once a second while idle (QuietServer): each reply's Date is this second's."""
+    """The server loop sleeps while idle (QuietServer), yet each reply's Date is the second it was asked in."""
     url, _ = supervised
     dates = []
     for _ in range(2):

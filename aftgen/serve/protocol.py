@@ -9,16 +9,20 @@ with no request begun (a slow body is the app's to time: `Server._body` answers 
 a reply its client leaves unread: the reply waits in the process's memory until the client leaves, so
 here one whose unsent part has not shrunk for a whole `read_timeout` is dropped. And it accepts connections
 until the process runs out of descriptors (then it logs an error a second while requests and /health
-wait); here one past `max_connections` gets a 503 and is closed at once.
+wait); here one past `max_connections` gets a 503 and is closed at once. Its server loop wakes once a
+second for the Date header; here the header is dated as each request arrives, and the loop sleeps until
+told to exit.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import email.utils
+import functools
 import json
 import socket
 import struct
+import time
 
 import h11
 import uvicorn
@@ -54,6 +58,7 @@ class BoundedConnection(H11Protocol):
     read_timeout = 10.0
     max_connections = 1024
     _unread: asyncio.TimerHandle | None = None  # the check of a reply waiting to be read
+    _headers_due: asyncio.TimerHandle | None = None  # the check of a connection waiting for a request
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -63,8 +68,22 @@ class BoundedConnection(H11Protocol):
             return
         self._arm()
 
+    def handle_events(self) -> None:
+        """Date the replies of the requests about to begin: uvicorn's server loop would, once a second."""
+        dated = _date_header(int(time.time())) if self.config.date_header else []
+        self.server_state.default_headers = dated + self.config.encoded_headers
+        super().handle_events()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Cancel this connection's checks: left to fire, a burst of clients that came and went would wake an
+        idle server hundreds of times."""
+        for check in (self._headers_due, self._unread):
+            if check is not None:
+                check.cancel()
+        super().connection_lost(exc)
+
     def _arm(self) -> None:
-        self.loop.call_later(self.read_timeout, self._check, self.cycle)
+        self._headers_due = self.loop.call_later(self.read_timeout, self._check, self.cycle)
 
     def _check(self, cycle: object) -> None:
         """Close the connection if it waited for headers and no request began since the last check."""
@@ -100,6 +119,11 @@ class BoundedConnection(H11Protocol):
             self._watch_unread(left)
 
 
+@functools.lru_cache(maxsize=1)
+def _date_header(second: int) -> list[tuple[bytes, bytes]]:
+    return [(b"date", email.utils.formatdate(second, usegmt=True).encode())]
+
+
 def bounded_connections(read_timeout: float, max_connections: int) -> type[BoundedConnection]:
     """The connection class for uvicorn's `http` setting, with these bounds."""
     bounds = {"read_timeout": read_timeout, "max_connections": max_connections}
@@ -107,9 +131,9 @@ def bounded_connections(read_timeout: float, max_connections: int) -> type[Bound
 
 
 class QuietServer(uvicorn.Server):
-    """uvicorn's server, whose housekeeping (the Date header, the exit check) wakes the event loop once a second
-    instead of ten times, and at once when told to exit: each wake costs CPU, so uvicorn's own timer kept an
-    idle server measurably busy (figures: docs/benchmarks.md)."""
+    """uvicorn's server, whose loop sleeps until told to exit: each wake costs CPU, and uvicorn's own timer
+    (for the Date header, which BoundedConnection now sets, and the exit check) kept an idle server measurably
+    busy (figures: docs/benchmarks.md)."""
 
     _loop: asyncio.AbstractEventLoop | None = None
 
@@ -126,8 +150,5 @@ class QuietServer(uvicorn.Server):
     async def main_loop(self) -> None:
         self._exit_asked = asyncio.Event()
         self._loop = asyncio.get_running_loop()
-        ticks = 0  # uvicorn's ticks of 0.1 s, which on_tick's once-a-second work counts
-        while not await self.on_tick(ticks):
-            ticks = (ticks + 10) % 864000
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._exit_asked.wait(), 1.0)
+        if not self.should_exit:  # asked before the loop was known, the setter could not wake it
+            await self._exit_asked.wait()
