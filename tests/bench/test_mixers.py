@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from conftest import DEVICE, on_device
-from typer.testing import CliRunner
+from conftest import DEVICE
 
 from aftgen.bench.mixers import comparison_targets, probe, with_ratios
-from aftgen.cli import app
 from aftgen.mixers import MIXERS
-from aftgen.model import PRESETS
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
@@ -65,61 +62,3 @@ def test_bench_train_takes_turns_over_all_configurations_and_keeps_each_ones_fas
     assert all(r["vs_attention"] == 1.0 for r in steps)
     memory = {(r["mixer"], r["length"]): r["value"] for r in rows if r["measure"] == "train peak memory"}
     assert all(memory[m, length] == (20.0 if m == "aft_local" else 10.0) for m, length in memory)  # from that round
-
-
-def test_bench_quality_refuses_a_missing_corpus_in_one_line(tmp_path):
-    result = CliRunner().invoke(app, ["bench", "quality", str(tmp_path / "nope.txt"), "--time", "1"])
-    assert result.exit_code == 2
-    assert result.output.strip().splitlines() == [f"error: {tmp_path / 'nope.txt'}: no such file"]
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--preset", "huge"], f"error: unknown preset 'huge'; choose one of: {', '.join(PRESETS)}"),
-        (["--preset", "tiny", "--model", "x"], "error: give --model or --preset, not both"),
-    ],
-)
-def test_bench_generate_refuses_bad_model_choices_in_one_line(args, message):
-    result = CliRunner().invoke(app, ["bench", "generate", *args])
-    assert result.exit_code == 2
-    assert result.output.strip().splitlines() == [message]
-
-
-def test_plot_without_matplotlib_is_refused_before_any_benchmark(monkeypatch, tmp_path):
-    import sys
-
-    from aftgen.bench import mixers
-
-    ran = []
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    monkeypatch.setattr(mixers, "bench_train", lambda *a, **k: ran.append(1) or [])
-    result = CliRunner().invoke(app, ["bench", "train", "--plot", str(tmp_path / "p.png")])
-    assert result.exit_code == 2
-    assert result.output.strip().splitlines() == ["error: --plot needs matplotlib: pip install 'aftgen[plot]'"]
-    assert not ran
-
-
-def test_bench_generate_reports_every_measure_and_judges_its_targets(monkeypatch):
-    # Short contexts and runs, and the eager step (as where no compiler works): the rows, not the speed.
-    from aftgen.bench import generate as bench
-    from aftgen.model import AFTLM, AFTConfig
-
-    monkeypatch.setattr(bench, "STRETCH", 100)
-    monkeypatch.setattr(bench, "ROUNDS", 3)
-    monkeypatch.setattr(bench, "compile_step", lambda model: (model.step, "eager (test)"))
-    monkeypatch.setattr(bench, "compile_prefill", lambda model, length: (model.prefill, "eager (test)"))
-    model = AFTLM(AFTConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=2, window=8, context_length=32)).eval()
-    rows = bench.bench_generate(
-        on_device(model), log=lambda line: None, contexts=(64, 96, 128, 160), generated=(200, 600)
-    )
-    by_measure = {}
-    for row in rows:
-        by_measure.setdefault(row["measure"], []).append(row)
-    assert [r["context"] for r in by_measure["step latency (eager: no compiler)"]] == [64, 96, 128, 160]
-    assert [r["generated"] for r in by_measure["peak resident memory"]] == [200, 600]
-    mean = by_measure["generation incl. sampling, mean"][0]["value"]
-    assert 0 < by_measure["generation incl. sampling, fastest 100-token stretch"][0]["value"] <= mean
-    judged = [r for r in rows if r.get("target") is not None]
-    assert len(judged) == 4 and all(isinstance(r["ok"], bool) for r in judged)
-    assert int(model.initial_state(1)[0]["position"]) == 0  # nothing leaked into a fresh state

@@ -3,22 +3,20 @@ prunes a corpus's least recently used sets, never one in use nor through a link 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import make_corpus
+from corpus_texts import corpus_text, invoke, write_text
 
 from aftgen.corpus import CorpusOptions, prepare_corpus
 from aftgen.corpus import cache as corpus_cache
 from aftgen.corpus.cache import IN_USE
-
-
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("AFTGEN_CACHE", str(tmp_path / "cache"))
 
 
 @pytest.fixture
@@ -108,3 +106,63 @@ def test_pruning_removes_links_and_fifos_in_a_set_and_never_follows_them(corpus,
     assert not first.exists()
     assert precious.read_bytes() == b"the user's" and sorted(os.listdir(outside)) == ["precious.txt"]
     assert (cache / "tokens-linked").is_symlink() and (planted / IN_USE).is_symlink()
+
+
+def _manifest_without(field: str):
+    def damage(folder: Path) -> None:
+        manifest = json.loads((folder / "tokens.json").read_text())
+        del manifest["parts"]["train"][field]
+        (folder / "tokens.json").write_text(json.dumps(manifest))
+
+    return damage
+
+
+def _id_past_the_vocabulary(folder: Path) -> None:
+    with open(folder / "train.bin", "r+b") as handle:
+        handle.seek(2 * 7)
+        handle.write(np.array([65535], dtype=np.uint16).tobytes())
+
+
+def _unfinished_with_an_impossible_span(folder: Path) -> None:
+    manifest = json.loads((folder / "tokens.json").read_text())
+    (folder / "tokens.json").unlink()
+    progress = manifest["parts"] | {"train": {"span": 99, "char": 0, "tokens": 0, "bytes": 0}}
+    (folder / "progress.json").write_text(json.dumps(progress))
+
+
+NESTED = "[" * 100_000 + "]" * 100_000  # deeper than Python's json can read
+
+
+def _unfinished_with_nested_progress(folder: Path) -> None:
+    (folder / "tokens.json").unlink()
+    (folder / "progress.json").write_text(NESTED)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda folder: (folder / "tokens.json").write_text("{}"),
+        lambda folder: (folder / "tokens.json").write_text("[]"),
+        lambda folder: (folder / "tokens.json").write_text("null"),
+        lambda folder: (folder / "tokens.json").write_text('{"dtype": "uint16", "parts": {"train": 5}'),
+        _manifest_without("bytes"),
+        _id_past_the_vocabulary,
+        _unfinished_with_an_impossible_span,
+        lambda folder: (folder / "tokens.json").write_text(NESTED),
+        _unfinished_with_nested_progress,
+    ],
+    ids=["empty object", "list", "null", "truncated", "no bytes", "id past vocabulary", "impossible span"]
+    + ["nested 100k deep", "progress nested 100k deep"],
+)
+def test_a_damaged_cache_entry_is_prepared_again_with_a_warning(tmp_path, damage):
+    path = write_text(tmp_path / "a.txt", corpus_text(20_000))
+    first = invoke("prepare", path, "--vocab-size", 300)
+    folder = Path(first.stdout.strip())
+    tokens = {part: (folder / f"{part}.bin").read_bytes() for part in ("train", "held_out")}
+    damage(folder)
+    again = invoke("prepare", path, "--vocab-size", 300)
+    assert again.exit_code == 0, again.output
+    warnings = [line for line in again.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "is damaged" in warnings[0] and "encoding" in again.stderr, again.stderr
+    assert {part: (folder / f"{part}.bin").read_bytes() for part in tokens} == tokens
+    assert invoke("prepare", path, "--vocab-size", 300).stderr.count("warning") == 0  # whole again

@@ -21,7 +21,7 @@ from aftgen.tokenizer import Tokenizer
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
 from aftgen.hf import modeling_aftgen  # noqa: E402 (imports transformers)
 
-SHIPPED = Path(__file__).parent.parent / "models" / "shakespeare"
+SHIPPED = Path(__file__).parents[2] / "models" / "shakespeare"
 TEXT = "ROMEO:\nBut soft! what light through yonder window breaks?\nIt is the east. <s> \u2581\ue000 é😀\n"
 
 

@@ -19,9 +19,8 @@ from conftest import DEVICE
 pytest.importorskip("triton")
 
 from aftgen.errors import AftgenError  # noqa: E402
-from aftgen.mixers import chunked  # noqa: E402
 from aftgen.mixers.aft import AFTMixer, aft_naive, soft_cap  # noqa: E402
-from aftgen.mixers.chunked import KERNEL_CHUNKS, KERNEL_VARIABLE, aft_chunked, kernel_weights, use_kernel  # noqa: E402
+from aftgen.mixers.chunked import KERNEL_VARIABLE, aft_chunked, kernel_weights  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNELS_HERE = INTERPRETED or DEVICE.startswith("cuda")
@@ -144,23 +143,6 @@ def test_the_kernels_in_tritons_interpreter():
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     passed = re.search(r"(\d+) passed", done.stdout)
     assert passed and int(passed.group(1)) >= len(CASES) + 3, done.stdout[-2000:]
-
-
-def test_the_variable_chooses_the_form_and_long_windows_stay_in_pytorch(monkeypatch):
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # devices named only: nothing runs on them
-    monkeypatch.delenv(KERNEL_VARIABLE, raising=False)
-    assert use_kernel(cuda, 32) and not use_kernel(cpu, 32)  # auto: CUDA, as Triton is installed
-    assert not use_kernel(cuda, KERNEL_CHUNKS[-1] + 1)
-    monkeypatch.setenv(KERNEL_VARIABLE, "torch")
-    assert not use_kernel(cuda, 32)
-    monkeypatch.setenv(KERNEL_VARIABLE, "triton")
-    assert use_kernel(cpu, 32) and not use_kernel(cpu, KERNEL_CHUNKS[-1] + 1)
-    monkeypatch.setattr(chunked, "KERNELS_AVAILABLE", False)
-    with pytest.raises(AftgenError, match="needs Triton"):
-        use_kernel(cuda, 32)
-    monkeypatch.setenv(KERNEL_VARIABLE, "fast")
-    with pytest.raises(AftgenError, match="choose one of auto, triton, torch"):
-        use_kernel(cpu, 32)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="in the interpreter the kernels do run on the CPU")

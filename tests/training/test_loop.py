@@ -1,4 +1,5 @@
-"""Training outputs: keeping the best weights, lower-precision weight files, the held-out check."""
+"""The training loop (aftgen/training/loop.py): keeping the best weights, patience, lower-precision weight files,
+the weight average, the time budget, and the optimizers it steps."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import DEVICE, on_device, train_tiny
 from safetensors.torch import load_file
 
@@ -108,18 +108,6 @@ def test_half_precision_weights_halve_the_file_and_load_as_fp32(tmp_path, corpus
     for name, tensor in model.state_dict().items():
         assert tensor.dtype == torch.float32
         torch.testing.assert_close(tensor, reference[name].to(dtype).float(), atol=0, rtol=0, msg=name)
-
-
-def test_held_out_check_over_many_windows_is_the_plain_mean(tmp_path):
-    torch.manual_seed(0)
-    model = on_device(AFTLM(AFTConfig(vocab_size=50, n_layer=1, n_embd=16, n_head=2, window=4, context_length=16)))
-    ids = torch.randint(0, 50, (2000,))
-    length, windows = 16, 70  # more windows than one group of 32
-    stride = (len(ids) - length - 1) // windows
-    rows = on_device(torch.stack([ids[i * stride : i * stride + length + 1] for i in range(windows)]))
-    with torch.no_grad():
-        expected = F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
-    assert evaluate.window_loss(model, ids, length, windows) == pytest.approx(float(expected), rel=1e-5)
 
 
 def test_weight_average_is_the_ramped_mean_of_every_step_then_an_ema():
@@ -233,36 +221,6 @@ def test_no_decay_trains_the_papers_aft_local(tmp_path, corpus, tiny_run):
         torch.testing.assert_close(block.mixer.decay_logit, fresh.mixer.decay_logit, atol=0, rtol=0)  # never trained
 
 
-def test_run_folder_alone_refuses_mistakes_and_keeps_the_best_check(tmp_path, corpus, tiny_run):
-    from aftgen.distributed import World
-    from aftgen.errors import AftgenError
-    from aftgen.model import AFTConfig
-    from aftgen.training.loop import Clock
-    from aftgen.training.options import TrainOptions
-    from aftgen.training.plan import Plan
-    from aftgen.training.run_folder import RunFolder, claimed
-
-    with (
-        pytest.raises(AftgenError, match="already holds a run"),
-        claimed(TrainOptions(corpus, tiny_run), World(), print),
-    ):
-        pass
-    with pytest.raises(AftgenError, match="no training state to resume"):
-        with claimed(TrainOptions(corpus, tmp_path / "new", resume=True), World(), print):
-            pass
-    plan = Plan(TrainOptions(corpus, tmp_path / "new", keep_best=True), AFTConfig.from_preset("tiny", 300), 8, {})
-    run = RunFolder(plan, World(), description={})
-    checks = [
-        run.record({"step": step, "held_out_nats_per_char": score}) for step, score in ((2, 3.0), (4, 2.0), (6, 2.5))
-    ]
-    assert checks == [True, True, False] and run.best == {"step": 4, "held_out_nats_per_char": 2.0}
-    assert [json.loads(line)["step"] for line in (run.path / "metrics.jsonl").read_text().splitlines()] == [2, 4, 6]
-
-    clock = Clock(TrainOptions(corpus, max_steps=100, max_time=10), elapsed_before=0)
-    assert clock.progress(step=10, elapsed=5.0) == 0.5  # the clock runs out first
-    assert clock.progress(step=80, elapsed=5.0) == 0.8  # the steps do
-
-
 def test_muon_without_torch_optim_muon_is_one_error(tiny_run, monkeypatch):
     from aftgen.checkpoint import load_checkpoint
     from aftgen.errors import AftgenError
@@ -291,40 +249,3 @@ def test_muon_steps_the_block_matrices_and_adamw_the_rest(tiny_run):
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
     saved = optimizer.state_dict()  # one numbering over both parts, as the training state file stores it
     assert sorted(i for g in saved["param_groups"] for i in g["params"]) == list(range(len(list(model.parameters()))))
-
-
-def test_a_recipe_run_equals_the_run_given_every_setting_it_settled(tmp_path, corpus, tiny_run):
-    """The plan decides what a left-out option is; given explicitly, the same values train the same weights."""
-    from aftgen.training.options import RECIPE_FIELDS
-
-    planned = train_tiny(corpus, tmp_path / "planned", eval_interval=None, eval_windows=None)
-    info = json.loads((planned / TRAINING_INFO).read_text())
-    settled = {name: info["options"][name] for name in (*RECIPE_FIELDS, "eval_interval", "eval_windows", "dtype")}
-    sizes = {name: info["settings"][name] for name in ("n_layer", "n_embd", "n_head", "window", "context_length")}
-    explicit = train_tiny(corpus, tmp_path / "explicit", **settled, **sizes, batch_size=info["settings"]["batch_size"])
-    one, two = load_file(planned / WEIGHTS), load_file(explicit / WEIGHTS)
-    assert one.keys() == two.keys() and all(torch.equal(one[name], two[name]) for name in one)
-    given = json.loads((explicit / TRAINING_INFO).read_text())
-    assert given["settings"] == info["settings"] and given["recipe"]["preset"] == info["recipe"]["preset"]
-
-
-def test_every_train_option_is_declared_once_and_read_by_the_cli_and_the_reference():
-    """`train --help` lists each declared option with its declared default and help, the options whose values
-    come from a table list that table, and docs/reference.md holds the table made from the same declaration."""
-    from pathlib import Path
-
-    import typer
-
-    from aftgen.cli import app
-    from aftgen.options import declared, reference_table
-    from aftgen.training.options import CHOICES, TrainOptions
-
-    options = declared(TrainOptions)
-    command = typer.main.get_command(app).commands["train"]
-    by_name = {parameter.name: parameter for parameter in command.params}
-    for name, (_, default, declaration) in options.items():
-        assert by_name[name].default == default and by_name[name].help == declaration.help, name
-    for name, allowed in CHOICES.items():
-        assert all(value in options[name][2].help for value in allowed), name
-    reference = (Path(__file__).parent.parent / "docs" / "reference.md").read_text(encoding="utf-8")
-    assert reference_table(TrainOptions) in reference, "docs/reference.md's training options are not the declaration's"

@@ -170,7 +170,7 @@ def test_resume_goes_on_with_the_recipe_it_started_with(tmp_path, corpus, one_th
 
 def shipped_model_options() -> dict[str, str]:
     """recipes/shakespeare.args, what `make default-model` gives `aftgen train`: {"--max-time": "15m", ...}."""
-    lines = (Path(__file__).parents[1] / "recipes" / "shakespeare.args").read_text().splitlines()
+    lines = (Path(__file__).parents[2] / "recipes" / "shakespeare.args").read_text().splitlines()
     return dict(line.split(" ", 1) for line in lines if line and not line.startswith("#"))
 
 
