@@ -34,3 +34,31 @@ def test_no_test_module_imports_another():
         for name in sorted(imported_modules(path.read_text()) & names)
     ]
     assert not found, "move what test modules share into a helper module or conftest.py: " + "; ".join(found)
+
+
+AFTGEN = TESTS.parent / "aftgen"
+LARGE = 100  # lines: a module this long has a test module of its own
+# The parts of aftgen/ whose tests mirror the package so far; once every part's do, this becomes all of aftgen/.
+MIRRORED = ("training", "corpus", "cli", "bench", "mixers", "hf", "evaluate.py")
+
+
+def mirrored_test(module: Path) -> Path:
+    """Where the tests of aftgen/<package path>/<module>.py live: tests/<package path>/test_<module>.py."""
+    relative = module.relative_to(AFTGEN)
+    return TESTS / relative.parent / f"test_{relative.name}"
+
+
+def test_every_large_module_has_a_test_module_of_its_name():
+    modules = sorted(
+        path
+        for part in MIRRORED
+        for path in ([AFTGEN / part] if part.endswith(".py") else (AFTGEN / part).rglob("*.py"))
+        if path.name != "__init__.py" and len(path.read_text().splitlines()) >= LARGE
+    )
+    assert len(modules) >= len(MIRRORED)  # the walk found the modules, not an empty folder
+    missing = [
+        f"{mirrored_test(path).relative_to(TESTS.parent)} (for {path.relative_to(TESTS.parent)})"
+        for path in modules
+        if not mirrored_test(path).is_file()
+    ]
+    assert not missing, "a module of 100+ lines needs a test module of its name: " + "; ".join(missing)
