@@ -40,13 +40,14 @@ PACKAGES = ("torch", "triton", "numpy", "typer", "sentencepiece", "safetensors",
 TRAIN_MARGIN = 30  # seconds a training run takes beyond --max-time: start, corpus, the final held-out score
 LOG_TAIL = 4000
 MODEL_TESTS = (
-    "test_aft.py",
+    "mixers",
     "test_mixers.py",
     "generation",
-    "test_training.py",
+    "training/test_loop.py",
     "test_serve.py",
     "test_cli.py",
-    "test_bench_compare.py",
+    "cli/test_generate.py",
+    "bench/test_mixers.py",
 )  # characters of each stage's output kept in log.txt
 
 
@@ -68,7 +69,7 @@ class Sizes:
     def pick(cls, quick: bool) -> Sizes:
         if quick:
             return cls(
-                suite=["tests/test_aft.py::test_model_parallel_equals_recurrent_over_1000_tokens"],
+                suite=["tests/mixers/test_aft.py::test_model_parallel_equals_recurrent_over_1000_tokens"],
                 train=["--preset", "tiny", "--vocab-size", "300", "--eval-interval", "10", "--eval-windows", "4"],
                 train_time=3,
                 compile_time=3,
