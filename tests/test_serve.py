@@ -64,7 +64,7 @@ from aftgen.serve.engine import TEXT_EVERY, Engine
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.schema import APIError, parse_request
 from aftgen.serve.sessions import SUFFIX, SessionStore
-from aftgen.serve.work import Done, Failed, Finished, Started, Text, Ticket, Work, merged_texts
+from aftgen.serve.work import Done, Failed, Finished, Started, Text, Ticket, Work
 from aftgen.state import load_state
 from aftgen.tokenizer import Tokenizer
 
@@ -279,16 +279,6 @@ def test_text_goes_out_every_few_milliseconds_and_a_start_or_an_end_at_once(tiny
     while not handed:
         engine.turn()
     assert [type(event) for _, event in handed[-1]][-2:] == [Finished, Done] and ticket.unfinished == 0
-
-
-def test_merged_texts_joins_a_choices_texts_until_an_end_of_its_request_comes_between():
-    one, two = (Ticket(Work([], SamplingOptions()), 0.0) for _ in range(2))
-    events = [(one, Text(0, "a")), (two, Text(0, "x")), (one, Text(1, "b")), (one, Text(0, "c")),
-              (one, Finished(0, "length", 2)), (one, Text(0, "d")), (two, Text(0, "y"))]  # fmt: skip
-    assert merged_texts(events) == [
-        (one, Text(0, "ac")), (two, Text(0, "xy")), (one, Text(1, "b")), (one, Finished(0, "length", 2)),
-        (one, Text(0, "d")),
-    ]  # fmt: skip
 
 
 def test_queued_requests_wait_and_a_disconnect_frees_the_slot_at_once(tiny_run):

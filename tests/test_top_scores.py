@@ -11,7 +11,7 @@ from torch._inductor.exc import InvalidCxxCompiler
 
 from aftgen import rowdot
 from aftgen.compiled.cache import CacheUnusable
-from aftgen.generation.scores import read_score, token_scores
+from aftgen.generation.scores import read_scores, token_scores
 
 LEVELS = range(rowdot.scores_levels())
 
@@ -107,7 +107,7 @@ def test_more_alternatives_than_the_kernel_keeps_are_torchs():
     assert rowdot.top_scores(logits, tokens, most) is not None
     assert rowdot.top_scores(logits, tokens, most + 1) is None
     records = token_scores(logits, tokens, most + 1)
-    assert [len(read_score(record, most + 1)[1]) for _, record in records] == [most + 1] * 2
+    assert [len(read_scores(record, most + 1)[1]) for _, record in records] == [most + 1] * 2
 
 
 @pytest.mark.parametrize(
@@ -122,7 +122,7 @@ def test_shapes_or_a_device_the_kernel_cannot_read_are_refused_not_read(logits, 
 
 
 def records(scored: list[tuple[int, str]]) -> list[tuple]:
-    return [(token, *read_score(record, 5)) for token, record in scored]
+    return [(token, *read_scores(record, 5)) for token, record in scored]
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import torch
 from aftgen.corpus.encode import chunks
 from aftgen.generation.context import MAX_REPEAT_LAST_N, Context
 from aftgen.generation.drawing import new_generator
-from aftgen.generation.scores import NO_SCORE, token_scores
+from aftgen.generation.scores import NO_SCORES, token_scores
 from aftgen.model import AFTLM, ModelState, PrefillFunction, clone_state
 from aftgen.tokenizer import Tokenizer
 
@@ -98,7 +98,7 @@ class PromptReader:
             predicting = torch.cat([self.context.logits.to(logits.dtype), logits[:-1]])
         else:
             predicting, ids = logits[:-1], ids[1:]
-            self.scores.append((int(self.ids[0]), NO_SCORE))
+            self.scores.append((int(self.ids[0]), NO_SCORES))
         self.scores += token_scores(predicting, ids, self.score)
 
     def finish(self) -> Context:

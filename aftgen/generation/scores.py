@@ -1,5 +1,6 @@
-"""The score records: a token's log-probability and its likeliest alternatives', packed where a step's logits are
-(token_scores) and read back where a reply is written (read_score)."""
+"""The scores records: a token's log-probability and its likeliest alternatives', packed where a step's logits are
+(token_scores), carried to the HTTP side in aftgen.serve.work's TokenScores and read back where a reply is written
+(read_scores, in aftgen.serve.replies)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ def chosen(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def token_scores(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[tuple[int, str]]:
-    """Each token's (id, score record) under its row of logits (T, V): its log-probability (token_logprobs'
-    figure) and the `top` likeliest tokens', likeliest first, packed for the trip to the replies (read_score)."""
+    """Each token's (id, scores record) under its row of logits (T, V): its log-probability (token_logprobs'
+    figure) and the `top` likeliest tokens', likeliest first, packed for the trip to the replies (read_scores)."""
     count = min(top, logits.shape[-1])
     packed = rowdot.top_scores(logits, tokens, count) if logits.device.type == "cpu" else None
     if packed is None:  # a GPU's logits, no C++ compiler here, or more alternatives than the kernel keeps
@@ -43,17 +44,17 @@ def top_scores_in_torch(logprobs: torch.Tensor, tokens: torch.Tensor, count: int
     return torch.cat([figures.view(torch.int32), best.indices.int()], 1).cpu()
 
 
-# A score record is the hex of little-endian float32 [the token's log-probability, the alternatives'] and int32
+# A scores record is the hex of little-endian float32 [the token's log-probability, the alternatives'] and int32
 # [the alternatives' ids]: a server writes one a token from the engine's process and reads it in the HTTP one,
-# where numbers in JSON (six floats and five ints for `logprobs: 5`) cost the engine, which sets the pace,
-# a tenth of its time; a record costs it one string. The HTTP side, with time to spare, reads them.
-NO_SCORE = ""  # the record of a token nothing predicts (a context's first)
+# where numbers (six floats and five ints for `logprobs: 5`, each a Python object made and encoded) cost the engine,
+# which sets the pace, a tenth of its time; a record costs it one string. The HTTP side, with time to spare, reads them.
+NO_SCORES = ""  # the record of a token nothing predicts (a context's first)
 
 
-def read_score(record: str, top: int) -> tuple[float | None, tuple[int, ...], tuple[float, ...]]:
-    """A score record's log-probability and its at most `top` likeliest tokens' (ids, log-probabilities), likeliest
-    first; (None, (), ()) for NO_SCORE."""
-    if record == NO_SCORE:
+def read_scores(record: str, top: int) -> tuple[float | None, tuple[int, ...], tuple[float, ...]]:
+    """A scores record's log-probability and its at most `top` likeliest tokens' (ids, log-probabilities),
+    likeliest first; (None, (), ()) for NO_SCORES."""
+    if record == NO_SCORES:
         return None, (), ()
     count = (len(record) // 8 - 1) // 2
     numbers = _record_layout(count).unpack(bytes.fromhex(record))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.resources
+import itertools
 import json
 import secrets
 import time
@@ -25,11 +26,21 @@ from starlette.routing import Route
 
 from aftgen.serve import tokenizing
 from aftgen.serve.batch import COMPILING
-from aftgen.serve.engine import Engine
-from aftgen.serve.remote import EngineProcess, EngineUnavailable
-from aftgen.serve.replies import UNREADABLE, Reply, as_json, score_writer, shown_scores
+from aftgen.serve.remote import EngineUnavailable
+from aftgen.serve.replies import UNREADABLE, Reply, as_json, scores_as_json, scores_writer
 from aftgen.serve.schema import APIError, controls_body, parse_request
-from aftgen.serve.work import Done, Event, Failed, Finished, Text, Ticket, each_choice, merged_texts, timed_out
+from aftgen.serve.work import (
+    Done,
+    EngineClient,
+    Event,
+    Failed,
+    Finished,
+    Text,
+    Ticket,
+    each_choice,
+    merged_texts,
+    timed_out,
+)
 
 # The page may talk to this server only: its own inline script and style, nothing fetched from elsewhere.
 PLAYGROUND_POLICY = (
@@ -56,8 +67,8 @@ def failure(event: Failed) -> APIError:
 
 
 class Inbox(asyncio.Queue):
-    """A request's events, as delivered; `scores`: how its tokens' scores are shown (chat's shape or not, and how
-    many alternatives a token; shown_scores), None where it asked for none."""
+    """A request's events, as delivered; `scores`: how its tokens' scores are written (chat's shape or not, and how
+    many alternatives a token; scores_as_json), None where it asked for none."""
 
     def __init__(self, scores: tuple[bool, int] | None):
         super().__init__()
@@ -86,9 +97,11 @@ def sse(data: dict | str) -> str:
 class Server:
     """The routes, bound to one engine and model."""
 
-    def __init__(self, engine: Engine | EngineProcess, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str):
         self.engine, self.model_name, self.options = engine, model_name, engine.options
         self.created = int(time.time())
+        self.inboxes: dict[int, Inbox] = {}  # the requests being answered, by the numbers they were submitted by
+        self.numbers = itertools.count(1)
 
     def app(self) -> Starlette:
         routes = [
@@ -115,20 +128,25 @@ class Server:
         loop = asyncio.get_running_loop()
 
         def deliver(events: list[tuple[Ticket, Event]]) -> None:
-            for ticket, event in each_choice(shown_scores(events, self.engine.tokenizer)):
+            for ticket, event in each_choice(scores_as_json(events, self.engine.tokenizer, self._scores_asked)):
                 if event is UNREADABLE:
                     self.engine.cancel(ticket)
-                ticket.inbox.put_nowait(event)
+                if (inbox := self.inboxes.get(ticket.number)) is not None:  # None: its answer has ended
+                    inbox.put_nowait(event)
 
         self.engine.publish = lambda events: loop.call_soon_threadsafe(deliver, events)
         self.engine.start()
         # the scores' writer (the tokenizer's names made JSON, the rowdot library loaded) made now, not in the event
         # loop as the first request with logprobs is delivered
-        await asyncio.to_thread(score_writer, self.engine.tokenizer)
+        await asyncio.to_thread(scores_writer, self.engine.tokenizer)
         try:
             yield
         finally:
             self.engine.stop()
+
+    def _scores_asked(self, ticket: Ticket) -> tuple[bool, int] | None:
+        inbox = self.inboxes.get(ticket.number)
+        return None if inbox is None else inbox.scores
 
     async def http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
@@ -263,18 +281,21 @@ class Server:
         body = await self._body(request)
         parsed = parse_request(body, chat, self.options, self.engine.tokenizer, self.model_name)
         scored = parsed.work.logprobs is not None
-        ticket = self.engine.submit(parsed.work, Inbox((chat, parsed.work.logprobs) if scored else None))
-        expiry = asyncio.get_running_loop().call_later(self.options.timeout, self._expire, ticket)
+        number = next(self.numbers)
+        inbox = self.inboxes[number] = Inbox((chat, parsed.work.logprobs) if scored else None)
+        ticket = self.engine.submit(parsed.work, number)
+        expiry = asyncio.get_running_loop().call_later(self.options.timeout, self._expire, ticket, inbox)
         reply = Reply(chat, self.model_name, scored)
-        watcher = asyncio.create_task(self._watch(request, ticket))
+        watcher = asyncio.create_task(self._watch(request, ticket, inbox))
         ended = True  # the request: all but a stream that has begun
         try:
-            first = await self._until_started(ticket, reply, stop_early=parsed.stream)
+            first = await self._until_started(inbox, reply, stop_early=parsed.stream)
             ended = isinstance(first, Gone) or not parsed.stream
         finally:
             watcher.cancel()  # a stream watches for itself (Starlette's StreamingResponse)
             if ended:
                 expiry.cancel()
+                self.inboxes.pop(number, None)
         if isinstance(first, Gone):
             return Response(status_code=499)  # nobody is listening; nothing to say
         if not parsed.stream:
@@ -282,30 +303,31 @@ class Server:
 
         def closed() -> None:
             expiry.cancel()
+            self.inboxes.pop(number, None)
             self.engine.cancel(ticket)
 
-        return EventStream(self._stream(ticket, reply, first, parsed.include_usage), on_close=closed)
+        return EventStream(self._stream(ticket, inbox, reply, first, parsed.include_usage), on_close=closed)
 
-    def _expire(self, ticket: Ticket) -> None:
+    def _expire(self, ticket: Ticket, inbox: Inbox) -> None:
         """--timeout has passed and the engine has not ended the request (it is stopped, or stuck in a turn): it
         ends here, with the 504 the engine would have sent."""
         self.engine.cancel(ticket)
-        ticket.inbox.put_nowait(timed_out(self.options.timeout))
+        inbox.put_nowait(timed_out(self.options.timeout))
 
-    async def _watch(self, request: Request, ticket: Ticket) -> None:
+    async def _watch(self, request: Request, ticket: Ticket, inbox: Inbox) -> None:
         """Cancel the ticket when the client disconnects (while no response has begun)."""
         while (await request.receive())["type"] != "http.disconnect":
             pass
         self.engine.cancel(ticket)
-        ticket.inbox.put_nowait(Gone())
+        inbox.put_nowait(Gone())
 
-    async def _until_started(self, ticket: Ticket, reply: Reply, stop_early: bool) -> Event | Gone:
+    async def _until_started(self, inbox: Inbox, reply: Reply, stop_early: bool) -> Event | Gone:
         """Feed events to `reply` until generation starts (stop_early) or the request is done.
 
         Returns the event it stopped at; a failure before that raises its APIError.
         """
         while True:
-            event = await ticket.inbox.get()
+            event = await inbox.get()
             if isinstance(event, Failed):
                 raise failure(event)
             if isinstance(event, Gone):
@@ -314,7 +336,9 @@ class Server:
             if isinstance(event, Done) or (stop_early and reply.started is not None):
                 return event
 
-    async def _stream(self, ticket: Ticket, reply: Reply, first: Event, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(
+        self, ticket: Ticket, inbox: Inbox, reply: Reply, first: Event, include_usage: bool
+    ) -> AsyncIterator[str]:
         """OpenAI's chunks from the engine's events; text that piled up meanwhile goes out as one chunk."""
         if reply.chat:
             for index in range(ticket.work.n):
@@ -336,6 +360,6 @@ class Server:
                 elif isinstance(event, Finished):
                     reply.take(event)
                     yield sse(reply.chunk(event.index, finish=event.reason))
-            events = [await ticket.inbox.get()]
-            while not ticket.inbox.empty():
-                events.append(ticket.inbox.get_nowait())
+            events = [await inbox.get()]
+            while not inbox.empty():
+                events.append(inbox.get_nowait())

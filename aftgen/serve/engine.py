@@ -44,10 +44,10 @@ from aftgen.serve.work import (
     Event,
     Failed,
     Finished,
-    Score,
     Started,
     Text,
     Ticket,
+    TokenScores,
     Work,
     merged_texts,
     timed_out,
@@ -88,7 +88,7 @@ class Row:
     echoed: int = 0  # characters of the prompt's text echoed before the generated text
     shown: int = 0  # characters of the generated text handed on
     stepped: float = 0.0  # seconds the batch's steps took while it was in the batch (its masks' budget)
-    held: deque[Score] = field(default_factory=deque)  # scores of tokens whose text is not handed on yet
+    held: deque[TokenScores] = field(default_factory=deque)  # scores of tokens whose text is not handed on yet
 
 
 class Engine:
@@ -150,10 +150,10 @@ class Engine:
             self.thread.join()
         self.session_writer.shutdown()  # the files being written are written
 
-    def submit(self, work: Work, inbox: object = None) -> Ticket:
-        """Queue a request whose events go to `inbox` (see `publish`). When every row is taken and the queue
-        is full, its one event is a 503. A constraint is compiled first, on the compiler's thread."""
-        ticket = Ticket(work, self.clock() + self.options.timeout, inbox)
+    def submit(self, work: Work, number: int = 0) -> Ticket:
+        """Queue a request the HTTP side knows by `number` (work.EngineClient). When every row is taken and the
+        queue is full, its one event is a 503. A constraint is compiled first, on the compiler's thread."""
+        ticket = Ticket(work, self.clock() + self.options.timeout, number)
         with self.lock:
             full = self.queued >= self.options.queue + max(0, self.options.parallel - self.occupied())
             if not full:

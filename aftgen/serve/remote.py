@@ -6,10 +6,10 @@ of the turn before. Measured with the shipped model, the engine behind HTTP in o
 two-fifths fewer tokens a second than the engine alone, at one row and at 32 (docs/benchmarks.md, issue 32).
 
 So `aftgen serve` runs the Engine in a child process (`python -m aftgen.serve.remote FD`), and the HTTP side
-talks to it through `EngineProcess`, which offers what Server calls on an Engine: submit, cancel, figures, start,
-stop, publish. They speak length-prefixed JSON over a socket pair: requests' work one way, a turn's events
-the other way in one message. The child ignores Ctrl-C and SIGTERM (the parent stops it) and ends when the parent
-does.
+talks to it through `EngineProcess`, which offers what Server calls on an Engine (work.EngineClient): submit,
+cancel, figures, start, stop, publish. They speak length-prefixed MessagePack over a socket pair, each message a
+typed record (aftgen.serve.messages): requests' work one way, a turn's events the other way in one message. The
+child ignores Ctrl-C and SIGTERM (the parent stops it) and ends when the parent does.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import dataclasses
 import gc
 import importlib
 import itertools
-import json
 import math
 import operator
 import signal
@@ -35,21 +34,38 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from aftgen.checkpoint import TOKENIZER
-from aftgen.constraints import Constraint
 from aftgen.errors import AftgenError
 from aftgen.generation.controls import SamplingOptions
 from aftgen.mixers import MIXERS, Kind
+from aftgen.serve.messages import (
+    AskFigures,
+    Cancel,
+    Figures,
+    FromEngine,
+    NotStarted,
+    Ready,
+    Setup,
+    Stop,
+    Submit,
+    ToEngine,
+    Turn,
+    encode,
+    from_engine,
+    submitted_number,
+    to_engine,
+)
 from aftgen.serve.options import ServeOptions
-from aftgen.serve.work import Done, Echo, Event, Failed, Finished, Started, Text, Ticket, Work
+from aftgen.serve.work import Done, Event, Failed, Ticket, Work
 from aftgen.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from aftgen.serve.engine import Engine
 
-EVENTS = {kind.__name__: kind for kind in (Started, Echo, Text, Finished, Failed, Done)}
 START_TIMEOUT = 600.0  # seconds for the child to load the model (a Hub download is done before) and compile
 STOP_TIMEOUT = 10.0  # seconds the child gets to finish its turn and leave before it is killed
 ANSWER_WITHIN = 1.0  # seconds /health waits for the child's figures: past that, it is not answering
@@ -63,31 +79,16 @@ RESTARTING = "the generation process is starting again after it stopped unexpect
 NOT_KEEPING_UP = "the generation process is not keeping up with the requests sent to it; try again shortly"
 
 
-def send(connection: Connection, message: Any) -> None:
-    connection.send_bytes(json.dumps(message, separators=(",", ":")).encode())
+def send(connection: Connection, message: ToEngine | FromEngine) -> None:
+    connection.send_bytes(encode(message))
 
 
-def receive(connection: Connection) -> Any:
-    return json.loads(connection.recv_bytes())
-
-
-def options_message(options: ServeOptions) -> dict:
-    return {name: str(value) if isinstance(value, Path) else value for name, value in vars(options).items()}
-
-
-def options_from_message(fields: dict) -> ServeOptions:
-    options = ServeOptions(**fields)
-    if options.sessions_dir is not None:
-        options.sessions_dir = Path(options.sessions_dir)
-    return options
-
-
-def mixers_message() -> dict:
+def mixers_message() -> dict[str, tuple[str, str, str]]:
     """This process's mixer registry by import path: one registered at run time is registered in the child too."""
-    return {name: [kind.mixer.__module__, kind.mixer.__qualname__, kind.about] for name, kind in MIXERS.items()}
+    return {name: (kind.mixer.__module__, kind.mixer.__qualname__, kind.about) for name, kind in MIXERS.items()}
 
 
-def register_mixers(entries: dict) -> None:
+def register_mixers(entries: dict[str, tuple[str, str, str]]) -> None:
     for name, (module, qualname, about) in entries.items():
         if name not in MIXERS:
             try:
@@ -98,25 +99,6 @@ def register_mixers(entries: dict) -> None:
                     "process cannot import: define the class at the top level of a module"
                 ) from None
             MIXERS[name] = Kind(mixer, about)
-
-
-def work_message(work: Work) -> dict:
-    return dataclasses.asdict(work)
-
-
-def work_from_message(fields: dict) -> Work:
-    options = SamplingOptions(**fields.pop("options"))
-    options.stop = tuple(options.stop)
-    options.constraint = options.constraint and Constraint(**options.constraint)  # asdict made it a dict
-    return Work(options=options, **fields)
-
-
-def event_message(event: Event) -> list:
-    return [type(event).__name__, *vars(event).values()]
-
-
-def event_from_message(fields: list) -> Event:
-    return EVENTS[fields[0]](*fields[1:])
 
 
 class EngineUnavailable(Exception):
@@ -134,7 +116,7 @@ class Child:
 
     def __init__(self, options: ServeOptions):
         self.limit = options.parallel + options.queue
-        self.outgoing: deque[tuple[list, Ticket | None]] = deque()  # a submit's message comes with its ticket
+        self.outgoing: deque[tuple[ToEngine, Ticket | None]] = deque()  # a submit's message comes with its ticket
         self.submits, self.closed = 0, False  # submits in `outgoing`; closed: nothing more is sent
         self.posted = threading.Condition()
         ours, theirs = socket.socketpair()
@@ -143,27 +125,30 @@ class Child:
         self.process = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         self.connection = Connection(ours.detach())
-        send(self.connection, {"options": options_message(options), "mixers": mixers_message(), "path": sys.path})
+        send(self.connection, Setup(options, mixers_message(), sys.path))
         self.writer = threading.Thread(target=self._write, name="aftgen-engine-sends", daemon=True)
 
     def until_ready(self) -> None:
         """Wait for the child to build its engine; AftgenError where it cannot (it has ended then)."""
         try:
             if self.connection.poll(START_TIMEOUT):
-                kind, detail = receive(self.connection)
+                answer = from_engine(self.connection.recv_bytes())
             else:
-                self.process.kill()
-                kind, detail = "failed", f"the generation process did not start within {START_TIMEOUT:g} s"
+                answer = NotStarted(f"the generation process did not start within {START_TIMEOUT:g} s")
         except (EOFError, OSError):
-            kind, detail = "failed", f"the generation process ended as it started (exit status {self.process.wait()})"
-        if kind == "failed":
+            answer = NotStarted(f"the generation process ended as it started (exit status {self.process.wait()})")
+        except msgspec.DecodeError as exc:
+            answer = NotStarted(f"the generation process answered its start with a message that cannot be read: {exc}")
+        if not isinstance(answer, Ready):
+            self.process.kill()
             self.process.wait()
             self.connection.close()
-            raise AftgenError(detail)
+            early = f"the generation process sent {type(answer).__name__} before it was ready"
+            raise AftgenError(answer.reason if isinstance(answer, NotStarted) else early)
         self.started_in = time.monotonic() - self.began
         self.writer.start()
 
-    def post(self, message: list, ticket: Ticket | None = None) -> bool:
+    def post(self, message: ToEngine, ticket: Ticket | None = None) -> bool:
         """Queue `message` for the child (with its ticket for a submit); False where it cannot go: the child
         has ended, or a submit finds `limit` others still waiting to be sent."""
         with self.posted:
@@ -191,7 +176,7 @@ class Child:
                 send(self.connection, message)
             except OSError:  # the child has gone: its reader sees the end
                 return
-            if message[0] == "stop":
+            if isinstance(message, Stop):
                 return
 
     def close(self) -> list[Ticket]:
@@ -217,7 +202,7 @@ class Child:
             self.process.kill()
             return
         with self.posted:
-            self.outgoing.append((["stop"], None))
+            self.outgoing.append((Stop(), None))
             self.posted.notify()
         try:
             self.process.wait(STOP_TIMEOUT)
@@ -238,9 +223,9 @@ class EngineProcess:
         self.options = options
         self.publish: Callable[[list[tuple[Ticket, Event]]], None] = lambda events: None
         self.on_give_up: Callable[[], None] = lambda: None
-        self.tickets: dict[int, Ticket] = {}  # live requests by the number the child knows them by
-        self.asked: dict[int, tuple[float, Future]] = {}  # `stats` asks the child has not answered: when, for whom
-        self.numbers = itertools.count()  # for tickets and asks alike, across children
+        self.tickets: dict[int, Ticket] = {}  # live requests by the HTTP side's numbers, which the child knows too
+        self.asked: dict[int, tuple[float, Future]] = {}  # asks for figures not answered yet: when, for whom
+        self.asks = itertools.count()  # the asks' numbers, across children
         self.restarts: deque[float] = deque()  # when, over the last minute
         self.stopping, self.given_up = False, None  # given_up: why the server must exit
         self.child: Child | None = Child(options)  # None while it is started again
@@ -258,13 +243,17 @@ class EngineProcess:
         for child in {self.child, self.starting} - {None}:
             child.stop()
 
-    def submit(self, work: Work, inbox: object = None) -> Ticket:
-        """Queue a request whose events go to `inbox` (a full server answers it with a 503 event)."""
-        ticket = Ticket(work, time.monotonic() + self.options.timeout, inbox, number=next(self.numbers))
-        self.tickets[ticket.number] = ticket
+    def submit(self, work: Work, number: int = 0) -> Ticket:
+        """Queue a request the HTTP side knows by `number` (a full server answers it with a 503 event)."""
+        ticket = Ticket(work, time.monotonic() + self.options.timeout, number)
+        if type(work.options) is not SamplingOptions:  # a control added at run time: the child knows only its own
+            message = f"the engine's process cannot take this request's options ({type(work.options).__name__})"
+            self.publish([(ticket, Failed(500, f"{message}: serve this model with an engine in this process"))])
+            return ticket
+        self.tickets[number] = ticket
         child = self.child
-        if (child is None or not child.post(["submit", ticket.number, work_message(work)], ticket)) and (
-            self.tickets.pop(ticket.number, None) is not None  # else the child's end has failed it already
+        if (child is None or not child.post(Submit(number, work), ticket)) and (
+            self.tickets.pop(number, None) is not None  # else the child's end has failed it already
         ):
             self.publish([(ticket, self._refusal(child))])
         return ticket
@@ -279,7 +268,7 @@ class EngineProcess:
         """The client went away: the child drops its work, and its late events are dropped here."""
         ticket.cancelled = True
         if self.tickets.pop(ticket.number, None) is not None and (child := self.child) is not None:
-            child.post(["cancel", ticket.number])
+            child.post(Cancel(ticket.number))
 
     async def figures(self) -> dict:
         """The child's figures, within ANSWER_WITHIN seconds; EngineUnavailable where it cannot give them.
@@ -291,9 +280,9 @@ class EngineProcess:
             raise EngineUnavailable("engine restarting")
         if any(now - asked_at > ANSWER_WITHIN for asked_at, _ in list(self.asked.values())):
             raise EngineUnavailable("engine not answering")
-        number, answer = next(self.numbers), Future()
+        number, answer = next(self.asks), Future()
         self.asked[number] = (now, answer)
-        if not child.post(["stats", number]):
+        if not child.post(AskFigures(number)):
             self.asked.pop(number, None)
             raise EngineUnavailable("engine restarting")
         try:  # shielded: a wait that times out leaves the answer to the reader thread, which drops it
@@ -308,29 +297,35 @@ class EngineProcess:
         threading.Thread(target=self._read, args=(child,), name="aftgen-engine-events", daemon=True).start()
 
     def _read(self, child: Child) -> None:
-        """The child's messages, until it ends: a turn's events to `publish`, answers to their asks."""
+        """The child's messages, until it ends: a turn's events to `publish`, figures to their asks. One that
+        cannot be read is left with one line on stderr (its requests end at their --timeout)."""
         connection = child.connection
         while True:
             try:
                 while self.tickets and not connection.poll(0):
                     time.sleep(LOOK_EVERY)
-                kind, detail = receive(connection)
+                message = from_engine(connection.recv_bytes())
             except (EOFError, OSError):
                 break
-            if kind == "stats":
-                number, figures = detail
-                if (asked := self.asked.pop(number, None)) is not None:
-                    asked[1].set_result(figures)
+            except msgspec.DecodeError as exc:
+                print(f"aftgen serve: a message from the generation process cannot be read: {exc}", file=sys.stderr)
                 continue
-            events = []
-            for number, *fields in detail:
-                event = event_from_message(fields)
-                ended = isinstance(event, Done | Failed)
-                ticket = self.tickets.pop(number, None) if ended else self.tickets.get(number)
-                if ticket is not None:  # None: cancelled, or a request the child answered twice
-                    events.append((ticket, event))
-            self.publish(events)
+            if isinstance(message, Figures):
+                if (asked := self.asked.pop(message.number, None)) is not None:
+                    asked[1].set_result(message.figures)
+            elif isinstance(message, Turn):
+                self.publish(self._delivered(message.events))
         self._ended(child)
+
+    def _delivered(self, events: list[tuple[int, Event]]) -> list[tuple[Ticket, Event]]:
+        """A turn's events with their live tickets (the others: cancelled, or answered twice), which they end."""
+        delivered = []
+        for number, event in events:
+            ended = isinstance(event, Done | Failed)
+            ticket = self.tickets.pop(number, None) if ended else self.tickets.get(number)
+            if ticket is not None:
+                delivered.append((ticket, event))
+        return delivered
 
     def _ended(self, child: Child) -> None:
         """The child has ended: reap it and, unless the server is stopping (its connections end with it), fail
@@ -386,24 +381,26 @@ def _child(connection: Connection) -> None:
     # would be started again, as one that died of anything else, while the server shuts down)
     for stop in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop, signal.SIG_IGN)
-    given = receive(connection)
-    sys.path[:0] = [folder for folder in given["path"] if folder not in sys.path]
     try:
-        register_mixers(given["mixers"])
-        engine = build_engine(options_from_message(given["options"]))
-    except AftgenError as exc:
-        send(connection, ["failed", str(exc)])
+        given = to_engine(connection.recv_bytes())
+        if not isinstance(given, Setup):
+            raise AftgenError(f"the generation process was sent {given} before its setup")
+        sys.path[:0] = [folder for folder in given.path if folder not in sys.path]
+        register_mixers(given.mixers)
+        engine = build_engine(given.options)
+    except (AftgenError, msgspec.DecodeError) as exc:
+        send(connection, NotStarted(str(exc)))
         return
-    sending = threading.Lock()  # the engine's thread sends events, this one answers `stats`
+    sending = threading.Lock()  # the engine's thread sends events, this one answers asks for figures
 
     def publish(events: list[tuple[Ticket, Event]]) -> None:
-        message = ["events", [[ticket.inbox, *event_message(event)] for ticket, event in events]]
+        message = Turn([(ticket.number, event) for ticket, event in events])
         with sending:
             send(connection, message)
 
     engine.publish = publish
     with loaded_kept():
-        send(connection, ["ready", None])
+        send(connection, Ready())
         engine.start()
         _answer(connection, engine, sending)
         engine.stop()
@@ -423,29 +420,36 @@ def loaded_kept() -> Iterator[None]:
 
 def _answer(connection: Connection, engine: Engine, sending: threading.Lock) -> None:
     """Do what the parent asks, until it says stop or goes away."""
-    # The requests the engine still holds, by the parent's numbers (each ticket's inbox): gone once it drops them.
+    # The requests the engine still holds, by the parent's numbers: gone once it drops them.
     tickets: weakref.WeakValueDictionary[int, Ticket] = weakref.WeakValueDictionary()
     while True:
         try:
-            kind, *detail = receive(connection)
+            data = connection.recv_bytes()
         except (EOFError, OSError):  # the parent is gone
             return
-        if kind == "stop":
+        try:
+            message = to_engine(data)
+        except msgspec.DecodeError as exc:
+            _refuse(engine, data, exc)
+            continue
+        if isinstance(message, Stop):
             return
-        if kind == "submit":
-            number, fields = detail
-            try:
-                work = work_from_message(fields)
-            except TypeError as exc:  # options this process does not know (a control added at run time)
-                failed = Failed(500, f"the engine's process cannot take this request's options: {exc}")
-                engine.publish([(Ticket(Work([], SamplingOptions()), 0.0, number), failed)])
-                continue
-            tickets[number] = engine.submit(work, number)
-        elif kind == "cancel" and (ticket := tickets.get(detail[0])) is not None:
+        if isinstance(message, Submit):
+            tickets[message.number] = engine.submit(message.work, message.number)
+        elif isinstance(message, Cancel) and (ticket := tickets.get(message.number)) is not None:
             engine.cancel(ticket)
-        elif kind == "stats":
+        elif isinstance(message, AskFigures):
             with sending:
-                send(connection, ["stats", [detail[0], engine.stats()]])
+                send(connection, Figures(message.number, engine.stats()))
+
+
+def _refuse(engine: Engine, data: bytes, error: msgspec.DecodeError) -> None:
+    """A message that cannot be read (a bug, or a parent of another version): one line on stderr, and a submit's
+    request, where it can be named, fails at once; the engine goes on."""
+    print(f"aftgen serve: the generation process cannot read a message sent to it: {error}", file=sys.stderr)
+    if (number := submitted_number(data)) is not None:
+        failed = Failed(500, f"the generation process cannot read this request: {error}")
+        engine.publish([(Ticket(Work([], SamplingOptions()), 0.0, number), failed)])
 
 
 def build_engine(options: ServeOptions) -> Engine:

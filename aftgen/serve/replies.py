@@ -2,29 +2,31 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from aftgen import rowdot
-from aftgen.generation.scores import read_score
-from aftgen.serve.work import Echo, Event, Failed, Finished, Score, Started, Text, Ticket
+from aftgen.generation.scores import read_scores
+from aftgen.serve.work import Echo, Event, Failed, Finished, Started, Text, Ticket, TokenScores
 from aftgen.tokenizer import Tokenizer
 
 as_json = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options makes one a call
 
 
 FIGURE = "%.9g"  # a log-probability in JSON: the engine's float32 figure to 9 digits, which give it back exactly
-# A token's score as a reply writes it: where its text starts, then completions' name, figure (or null) and
+# A token's scores as a reply writes them: where its text starts, then completions' name, figure (or null) and
 # {name: figure, ...} map (or null), or chat's whole entry, each JSON.
-Shown = tuple[int, str, str, str] | tuple[int, str]
+ScoresJSON = tuple[int, str, str, str] | tuple[int, str]
 
 
-class ScoreWriter:
-    """Tokens' scores shown in OpenAI's `logprobs` JSON, for one tokenizer, from its tokens' names made JSON once: a
+class ScoresWriter:
+    """Tokens' scores written as OpenAI's `logprobs` JSON, for one tokenizer, from its tokens' names made JSON once: a
     streamed token with `logprobs: 5` names six, and json.dumps of the same dicts costs the HTTP side twice the time.
     All the tokens of a turn's events go through the rowdot library in one call (score_json.cpp) where it can be
     had: the HTTP side shares the machine's cores with the engine, so its time a token slows every stream."""
@@ -39,18 +41,18 @@ class ScoreWriter:
         ]
         self.native = rowdot.score_json(self.names, self.entries) if native else None
 
-    def show(self, asks: list[tuple[bool, int, list[Score]]]) -> list[list[Shown]]:
-        """Each ask's scores shown (chat's shape or completions', with at most `top` alternatives a token)."""
+    def write(self, asks: list[tuple[bool, int, list[TokenScores]]]) -> list[list[ScoresJSON]]:
+        """Each ask's scores as JSON (chat's shape or completions', with at most `top` alternatives a token)."""
         if self.native is None:
-            return [[(start, *self._shown(chat, top, token, record)) for start, token, record in scores]
+            return [[(start, *self._json(chat, top, token, record)) for start, token, record in scores]
                     for chat, top, scores in asks]  # fmt: skip
         texts = iter(self.native([(token, top, chat, record) for chat, top, scores in asks
                                   for _, token, record in scores]))  # fmt: skip
         return [[(start, next(texts)) if chat else (start, *next(texts).split(rowdot.UNIT)) for start, _, _ in scores]
                 for chat, _, scores in asks]  # fmt: skip
 
-    def _shown(self, chat: bool, top: int, token: int, record: str) -> tuple[str, ...]:
-        logprob, ids, values = read_score(record, top)
+    def _json(self, chat: bool, top: int, token: int, record: str) -> tuple[str, ...]:
+        logprob, ids, values = read_scores(record, top)
         if not all(0 <= other < len(self.names) for other in (token, *ids)):  # as the library refuses them
             raise ValueError(f"a score record names a token outside the vocabulary of {len(self.names)}")
         figure = "null" if logprob is None else FIGURE % logprob
@@ -65,52 +67,58 @@ class ScoreWriter:
         return self.names[token], figure, "null" if logprob is None else f"{{{','.join(named.values())}}}"
 
 
-def completions_logprobs(shown: list[Shown]) -> str:
+def completions_logprobs(scores: list[ScoresJSON]) -> str:
     """Completions' parallel lists."""
-    offsets = ",".join([str(score[0]) for score in shown])
+    offsets = ",".join([str(score[0]) for score in scores])
     return (
-        f'{{"tokens":[{",".join([score[1] for score in shown])}],'
-        f'"token_logprobs":[{",".join([score[2] for score in shown])}],'
-        f'"top_logprobs":[{",".join([score[3] for score in shown])}],"text_offset":[{offsets}]}}'
+        f'{{"tokens":[{",".join([score[1] for score in scores])}],'
+        f'"token_logprobs":[{",".join([score[2] for score in scores])}],'
+        f'"top_logprobs":[{",".join([score[3] for score in scores])}],"text_offset":[{offsets}]}}'
     )
 
 
-def chat_logprobs(shown: list[Shown]) -> str:
+def chat_logprobs(scores: list[ScoresJSON]) -> str:
     """Chat's {"content": [entry with its "top_logprobs", ...]}."""
-    return f'{{"content":[{",".join([score[1] for score in shown])}]}}'
+    return f'{{"content":[{",".join([score[1] for score in scores])}]}}'
 
 
 @functools.lru_cache(maxsize=4)
-def score_writer(tokenizer: Tokenizer) -> ScoreWriter:
-    return ScoreWriter(tokenizer)
+def scores_writer(tokenizer: Tokenizer) -> ScoresWriter:
+    return ScoresWriter(tokenizer)
 
 
-def shown_scores(events: list[tuple[Ticket, Event]], tokenizer: Tokenizer) -> list[tuple[Ticket, Event]]:
-    """The events with each Text's or Echo's score records shown as its request asks (its inbox's `scores`: chat or
-    not, and how many alternatives; None: none asked), every token of them in one pass. A record that cannot be read
-    (an engine's fault) fails its own request, not the others delivered with it."""
-    asks = [(at, ticket.inbox.scores, event) for at, (ticket, event) in enumerate(events)
-            if isinstance(event, Text | Echo) and event.scores and getattr(ticket.inbox, "scores", None)]  # fmt: skip
+# How a request's scores are written: chat's shape or not, and how many alternatives a token (None: none asked)
+ScoresAsked = Callable[[Ticket], tuple[bool, int] | None]
+
+
+def scores_as_json(
+    events: list[tuple[Ticket, Event]], tokenizer: Tokenizer, asked: ScoresAsked
+) -> list[tuple[Ticket, Event]]:
+    """The events with each Text's or Echo's TokenScores replaced by their JSON as its request `asked`, every token
+    of them in one pass. A record that cannot be read (an engine's fault) fails its own request, not the others
+    delivered with it."""
+    asks = [(at, shape, event) for at, (ticket, event) in enumerate(events)
+            if isinstance(event, Text | Echo) and event.scores and (shape := asked(ticket))]  # fmt: skip
     if not asks:
         return events
     events, wanted = list(events), [(chat, top, event.scores) for _, (chat, top), event in asks]
     try:
-        shown = score_writer(tokenizer).show(wanted)
+        written = scores_writer(tokenizer).write(wanted)
     except Exception:  # each request alone, to find whose record it is
-        shown = [_shown_alone(tokenizer, *ask) for ask in wanted]
-    for (at, _, event), scores in zip(asks, shown, strict=True):
+        written = [_scores_alone(tokenizer, *ask) for ask in wanted]
+    for (at, _, event), scores in zip(asks, written, strict=True):
         ticket = events[at][0]
-        events[at] = (ticket, dataclasses.replace(event, scores=scores) if scores is not None else UNREADABLE)
+        events[at] = (ticket, msgspec.structs.replace(event, scores=scores) if scores is not None else UNREADABLE)
     return events
 
 
-# what a request whose scores cannot be shown gets instead (the HTTP side cancels it: the engine goes on otherwise)
+# what a request whose scores cannot be written gets instead (the HTTP side cancels it: the engine goes on otherwise)
 UNREADABLE = Failed(500, "the generation process sent scores that cannot be read", "server_error")
 
 
-def _shown_alone(tokenizer: Tokenizer, chat: bool, top: int, scores: list[Score]) -> list[Shown] | None:
+def _scores_alone(tokenizer: Tokenizer, chat: bool, top: int, scores: list[TokenScores]) -> list[ScoresJSON] | None:
     try:
-        return score_writer(tokenizer).show([(chat, top, scores)])[0]
+        return scores_writer(tokenizer).write([(chat, top, scores)])[0]
     except Exception:  # unreadable, whatever the reason
         return None
 
@@ -131,12 +139,12 @@ class Reply:
 
     chat: bool
     model: str
-    scored: bool = False  # the request asked for logprobs: its Text events' scores are shown (shown_scores)
+    scored: bool = False  # the request asked for logprobs: its Text events' scores are JSON (scores_as_json)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     started: Started | None = None
     texts: dict[int, list[str]] = field(default_factory=dict)
-    scores: dict[int, list[Shown]] = field(default_factory=dict)
+    scores: dict[int, list[ScoresJSON]] = field(default_factory=dict)
     finished: dict[int, Finished] = field(default_factory=dict)
     openings: dict[bool, str] = field(default_factory=dict)  # _opening's, streamed or not
 
@@ -174,7 +182,7 @@ class Reply:
         text: str | None = None,
         finish: str | None = None,
         first: bool = False,
-        scores: list[Shown] | None = None,
+        scores: list[ScoresJSON] | None = None,
     ) -> str:
         """A stream chunk's JSON for one choice: its text (with its tokens' `scores`), its first (chat: the role)
         or its finish."""
@@ -193,12 +201,12 @@ class Reply:
             self.openings[stream] = f'{as_json(self._header(stream))[:-1]},"choices":['
         return self.openings[stream]
 
-    def _choice(self, index: int, scores: list[Shown] | None, finish: str | None, body: dict) -> str:
-        """A choice's JSON: its index, its `logprobs` (shown scores), its finish and `body`."""
+    def _choice(self, index: int, scores: list[ScoresJSON] | None, finish: str | None, body: dict) -> str:
+        """A choice's JSON: its index, its `logprobs` (scores as JSON), its finish and `body`."""
         logprobs = "null" if not self.scored or scores is None else self._logprobs(scores)
         return f'{{"index":{index},"logprobs":{logprobs},{as_json({"finish_reason": finish} | body)[1:]}'
 
-    def _logprobs(self, scores: list[Shown]) -> str:
+    def _logprobs(self, scores: list[ScoresJSON]) -> str:
         """OpenAI's `logprobs` of a choice or chunk, as JSON."""
         return chat_logprobs(scores) if self.chat else completions_logprobs(scores)
 

@@ -17,8 +17,8 @@ from aftgen.serve.options import ACCEPT_BURST, MAX_CONNECTIONS, OWN_DESCRIPTORS,
 if TYPE_CHECKING:
     import uvicorn
 
-    from aftgen.serve.engine import Engine
     from aftgen.serve.remote import EngineProcess
+    from aftgen.serve.work import EngineClient
 
 INSTALL_HINT = "pip install 'aftgen[serve]'"
 
@@ -67,9 +67,7 @@ def start_engine(options: ServeOptions) -> EngineProcess:
     return EngineProcess(dataclasses.replace(options, model=str(model_folder(options.model))))
 
 
-def prepare(
-    options: ServeOptions, engine: Engine | EngineProcess | None = None
-) -> tuple[uvicorn.Server, socket.socket, str]:
+def prepare(options: ServeOptions, engine: EngineClient | None = None) -> tuple[uvicorn.Server, socket.socket, str]:
     """Everything but the serving: (uvicorn server, its socket, the base URL). `server.run(sockets=[sock])` serves.
 
     `engine`: serve this one (default: start_engine's); an Engine runs in this process (a model changed in

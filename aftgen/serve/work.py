@@ -1,14 +1,25 @@
-"""What passes between the HTTP side and the engine: a request's work, its ticket, and the events it yields.
+"""What passes between the HTTP side and the engine: a request's work, its ticket, the events it yields, and
+EngineClient, what the HTTP side asks of an engine in its own process or in another.
 
 The engine runs in its own thread; it never touches HTTP. It reports each request's progress as
-events, and the HTTP side turns them into OpenAI's JSON or server-sent events.
+events, and the HTTP side turns them into OpenAI's JSON or server-sent events. The events are msgspec records
+tagged by their class's name, so that they cross to and from an engine's process as they are
+(aftgen.serve.messages), checked field by field on arrival.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import msgspec
 
 from aftgen.generation.controls import SamplingOptions
+
+if TYPE_CHECKING:
+    from aftgen.serve.options import ServeOptions
+    from aftgen.tokenizer import Tokenizer
 
 
 @dataclass
@@ -25,47 +36,43 @@ class Work:
     constraint_field: str | None = None  # the request's field that gave options.constraint: a 400 names it
 
 
-@dataclass
-class Started:
+class Started(msgspec.Struct, tag=True, array_like=True):
     """The prompt is read and generation begins."""
 
     prompt_tokens: int
     cached_tokens: int  # of prompt_tokens, those the prefix cache had already read
 
 
-# A token's score: where its text starts in the choice's text, its id and its score record (aftgen.generation.scores'
-# read_score: its log-probability and the likeliest tokens', as many as the engine's step drew for any row).
-Score = tuple[int, int, str]
+# A token's scores as they cross: where its text starts in the choice's text, its id and its scores record
+# (aftgen.generation.scores.read_scores: its log-probability and the likeliest tokens', as many as the engine's
+# step drew for any row).
+TokenScores = tuple[int, int, str]
 
 
-@dataclass
-class Text:
+class Text(msgspec.Struct, tag=True, array_like=True):
     index: int  # which choice
     text: str
-    # with `logprobs`: the tokens whose text this text begins, as the engine's Score records, then as the HTTP side
-    # shows them once delivered (aftgen.serve.replies.shown_scores)
-    scores: list | None = None
+    # with `logprobs`: the tokens whose text this text begins; once delivered, the HTTP side replaces them with
+    # their JSON (aftgen.serve.replies.scores_as_json)
+    scores: list[TokenScores] | None = None
 
 
-@dataclass
-class Echo:
+class Echo(msgspec.Struct, tag=True, array_like=True):
     """The prompt's text, and with `logprobs` its tokens' scores (as Text's), that begins every choice: sent once
     whatever `n`, and given to each choice as its first Text once delivered (each_choice), so an echo of thousands
     of scored tokens is neither sent nor shown once a choice."""
 
     text: str
-    scores: list | None = None
+    scores: list[TokenScores] | None = None
 
 
-@dataclass
-class Finished:
+class Finished(msgspec.Struct, tag=True, array_like=True):
     index: int
     reason: str  # "stop" (a stop string) or "length" (max_tokens)
     tokens: int  # generated for this choice
 
 
-@dataclass
-class Failed:
+class Failed(msgspec.Struct, tag=True, array_like=True):
     """The request ends with an error (before or during generation)."""
 
     status: int
@@ -81,8 +88,7 @@ def timed_out(limit: float) -> Failed:
     return Failed(504, f"the request took longer than this server's limit of {limit:g} s")
 
 
-@dataclass
-class Done:
+class Done(msgspec.Struct, tag=True, array_like=True):
     """Every choice has finished."""
 
 
@@ -91,15 +97,38 @@ Event = Started | Echo | Text | Finished | Failed | Done
 
 @dataclass(eq=False)
 class Ticket:
-    """A submitted request: the engine's handle on it, and where its events go (`inbox`, set by the HTTP side)."""
+    """A submitted request: the engine's handle on it. `number` is what the HTTP side knows it by, in either
+    process: its events go to the inbox the HTTP side keeps under that number."""
 
     work: Work
     deadline: float
-    inbox: object = None
+    number: int = 0
     cancelled: bool = False
     unfinished: int = 0  # choices still generating
-    number: int = 0  # what an engine in another process knows it by (aftgen.serve.remote)
     constraint: object = None  # work.options.constraint compiled (aftgen.constraints.compiled), before admission
+
+
+class EngineClient(Protocol):
+    """What the HTTP side (aftgen.serve.app) asks of an engine: aftgen.serve.engine.Engine runs in this process,
+    aftgen.serve.remote.EngineProcess in a process of its own. The engine calls `publish` (set by the HTTP side)
+    from any thread with a batch of events, each with the ticket of its request."""
+
+    options: ServeOptions
+    tokenizer: Tokenizer
+    publish: Callable[[list[tuple[Ticket, Event]]], None]
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def submit(self, work: Work, number: int = 0) -> Ticket:
+        """Queue a request the HTTP side knows by `number`; a full server answers it with a 503 event."""
+
+    def cancel(self, ticket: Ticket) -> None:
+        """The client went away: its work stops and its late events are dropped (a no-op once it is done)."""
+
+    async def figures(self) -> dict:
+        """The engine's figures for /health."""
 
 
 def merged_texts(events: list[tuple[Ticket, Event]]) -> list[tuple[Ticket, Event]]:

@@ -1,5 +1,6 @@
-"""The engine's process, supervised: the HTTP side never waits on it, /health tells whether it answers, a dead
-one is reaped and started again, and a client that leaves takes its request with it from both processes.
+"""aftgen.serve.remote, the engine's process, supervised: the HTTP side never waits on it, /health tells whether it
+answers, a dead one is reaped and started again, a client that leaves takes its request with it from both
+processes, and a message it cannot read is refused in one line while it goes on serving.
 
 One server for the module (its engine a process of its own, as `aftgen serve` runs it), with prompts as long
 as the audit's (about 8,000 tokens); one `aftgen serve` run as a command, for the exit after too many restarts.
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 from conftest import make_corpus
 from serving import (
@@ -41,7 +43,9 @@ from serving import (
 
 from aftgen.bench.measure import tree_memory_mb
 from aftgen.checkpoint import TOKENIZER
+from aftgen.generation.controls import SamplingOptions
 from aftgen.serve.remote import EngineProcess
+from aftgen.serve.work import Done, Failed, Ticket, Work
 from aftgen.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
@@ -281,3 +285,27 @@ def group_alive(group: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_message_the_engine_cannot_read_is_refused_in_one_line_and_it_goes_on_serving(tiny_run, capfd):
+    """Messages of another version (a submit whose work is not one, a kind it does not know): each is one line on
+    the engine's stderr, a submit's request fails at once naming what is wrong, and the next request is served."""
+    engine = EngineProcess(server_options(tiny_run))
+    events: list = []
+    engine.publish = events.extend
+    engine.start()
+    broken = engine.tickets[7] = Ticket(Work([], SamplingOptions()), time.monotonic() + 60, 7)
+    try:
+        engine.child.post(msgspec.Raw(msgspec.msgpack.encode({"type": "Submit", "number": 7, "work": {"prompt": "x"}})))
+        engine.child.post(msgspec.Raw(msgspec.msgpack.encode({"type": "Resume", "number": 8})))
+        served = engine.submit(Work(engine.tokenizer.encode("KING:"), SamplingOptions(max_new_tokens=3)), 9)
+        wait_for(lambda: any(ticket is served and isinstance(event, Done) for ticket, event in list(events)))
+    finally:
+        engine.stop()
+    assert [event for ticket, event in events if ticket is broken] == [
+        Failed(500, "the generation process cannot read this request: Expected `array`, got `str` - at `$.work.prompt`")
+    ]
+    logged = capfd.readouterr().err
+    refusals = [line for line in logged.splitlines() if "cannot read a message sent to it" in line]
+    assert len(refusals) == 2 and "Traceback" not in logged, logged
+    assert "Invalid value 'Resume' - at `$.type`" in refusals[1]
