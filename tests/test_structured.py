@@ -28,7 +28,7 @@ from aftgen.device import resolve
 from aftgen.generation.controls import SamplingOptions
 from aftgen.generation.loop import generate
 from aftgen.generation.prompt import read_prompt
-from aftgen.serve import engine as engine_module
+from aftgen.serve import rows as rows_module
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.schema import APIError, structured_outputs
@@ -223,8 +223,8 @@ def test_a_constraint_that_breaks_while_drawing_fails_its_request_alone(engine, 
 
 def test_a_constraint_whose_masks_cost_more_than_the_steps_ends_its_request(engine, monkeypatch):
     """With no grace and no share of the steps' time, a constraint's first mask is past its budget."""
-    monkeypatch.setattr(engine_module, "MASK_GRACE", 0.0)
-    monkeypatch.setattr(engine_module, "MASK_SHARE", 0.0)
+    monkeypatch.setattr(rows_module, "MASK_GRACE", 0.0)
+    monkeypatch.setattr(rows_module, "MASK_SHARE", 0.0)
     free = SamplingOptions(max_new_tokens=24, temperature=1.0, seed=1)
     shaped = SamplingOptions(max_new_tokens=200, seed=9, constraint=Constraint("grammar", AMBIGUOUS))
     failed, text = outcomes(engine, [shaped, free])

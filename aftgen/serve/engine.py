@@ -7,8 +7,10 @@ each sequence its token. A finished, cancelled (client gone) or timed-out sequen
 in the same turn, and its row is free for the next request.
 
 A request's constraint (structured output) is its own business: it is compiled on a thread of its own
-before the request queues, a constraint that breaks fails its request alone, and a row's masks may take
-as long as the batch's steps (MASK_SHARE, past MASK_GRACE) before its request is ended.
+before the request queues (constraining.py), a constraint that breaks fails its request alone, and a row's masks
+may take as long as the batch's steps (rows.MASK_SHARE, past rows.MASK_GRACE) before its request is ended.
+Where a prompt starts reading and what it leaves in the prefix cache is prompts.py's; a session's file is written
+by session_writer.py.
 """
 
 from __future__ import annotations
@@ -19,35 +21,32 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
 from aftgen import cores, rowdot
-from aftgen.constraints import ConstraintBroken, compiled
+from aftgen.constraints import ConstraintBroken
 from aftgen.device import Placement
-from aftgen.errors import AftgenError
-from aftgen.generation.context import Context
 from aftgen.generation.drawing import ScoresNotFinite, new_generator
-from aftgen.generation.prompt import PromptReader, opening
 from aftgen.generation.scores import token_scores
 from aftgen.generation.stream import TextStream, next_tokens
 from aftgen.model import AFTLM, StepFunction
 from aftgen.serve.batch import EAGER, Batch, CompiledBatchStep, eager_step
 from aftgen.serve.cache import PrefixCache, state_bytes
+from aftgen.serve.constraining import ConstraintCompiler
 from aftgen.serve.options import ServeOptions
+from aftgen.serve.prompts import Prompts
+from aftgen.serve.rows import Reader, Row, broken, not_finite, over_budget, too_costly
+from aftgen.serve.session_writer import SessionWriter
 from aftgen.serve.sessions import SessionStore
 from aftgen.serve.work import (
     Done,
-    Echo,
     Event,
     Failed,
     Finished,
     Started,
     Text,
     Ticket,
-    TokenScores,
     Work,
     merged_texts,
     timed_out,
@@ -60,35 +59,6 @@ OVERLOADED = "every generation slot is taken and the queue is full; try again sh
 # so a busy server's token gaps stay one turn each (a longer wait made them alternate between one turn and two,
 # widening the inter-token latency's tail; figures: docs/benchmarks.md).
 TEXT_EVERY = 0.001
-# A constrained row's masks may take this share of the batch's step time, after MASK_GRACE seconds (the first
-# masks of a large schema): then the rows beside it keep at least half their speed, and the costliest
-# constraint a server can be sent (an ambiguous grammar's masks grow with its text) ends its own request.
-MASK_SHARE = 1.0
-MASK_GRACE = 0.25
-
-
-@dataclass(eq=False)
-class Reader:
-    """A request reading its prompt, chunk by chunk, before it generates."""
-
-    ticket: Ticket
-    prompt: PromptReader  # the whole prompt as read into the state (BOS first unless it continues a session)
-    cached: int = 0  # of its tokens, those the prefix cache had already read
-
-
-@dataclass(eq=False)
-class Row:
-    """One sequence generating in the batch."""
-
-    ticket: Ticket
-    index: int
-    stream: TextStream
-    prompt: list[int] = field(default_factory=list)  # kept to cache the conversation after a chat reply
-    parts: list[str] = field(default_factory=list)
-    echoed: int = 0  # characters of the prompt's text echoed before the generated text
-    shown: int = 0  # characters of the generated text handed on
-    stepped: float = 0.0  # seconds the batch's steps took while it was in the batch (its masks' budget)
-    held: deque[TokenScores] = field(default_factory=deque)  # scores of tokens whose text is not handed on yet
 
 
 class Engine:
@@ -116,22 +86,20 @@ class Engine:
             model, tokenizer, options.sessions_dir, options.max_sessions, options.max_session_files
         )
         self.busy_sessions: set[str] = set()  # a turn is reading, generating or saving each
-        # Session files are written on a thread of their own, in the order given: the fsync would hold every
-        # stream's turn. A session's turn ends (its Finished and Done) once its file is written.
-        self.session_writer = ThreadPoolExecutor(1, thread_name_prefix="aftgen-sessions")
-        self.saving: deque[tuple[Row, Future]] = deque()
+        self.prompts = Prompts(model, tokenizer, options, self.cache, self.sessions, self.busy_sessions)
         self.incoming: deque[Ticket] = deque()
         self.waiting: deque[Ticket] = deque()
         self.reading: deque[Reader] = deque()
         self.overdrawn = 0  # prompt tokens the last turn read past its budget, which this one reads less
         self.lock, self.wake = threading.Lock(), threading.Event()
+        self.session_writer = SessionWriter(self.sessions, self.wake.set)
         self.queued = 0  # submitted, not yet reading: what the queue limit counts
         self.outbox: list[tuple[Ticket, Event]] = []
         self.clock, self.sent = clock, 0.0  # sent: when events were last handed on
         self.publish: Callable[[list[tuple[Ticket, Event]]], None] = lambda events: None
         self.thread: threading.Thread | None = None
         self.stopping = False
-        self.compiler = ThreadPoolExecutor(1, "aftgen-constraints")  # compiles constraints outside the turns
+        self.compiler = ConstraintCompiler(tokenizer, self._enqueue, self._refuse)
         self.compiled = step if isinstance(step, CompiledBatchStep) else None  # None: a step ready at once
         if self.compiled is not None:
             self.compiled.on_ready = self.wake.set  # requests may be waiting for it
@@ -145,10 +113,10 @@ class Engine:
     def stop(self) -> None:
         self.stopping = True
         self.wake.set()
-        self.compiler.shutdown(wait=False, cancel_futures=True)
+        self.compiler.stop()
         if self.thread is not None:
             self.thread.join()
-        self.session_writer.shutdown()  # the files being written are written
+        self.session_writer.stop()
 
     def submit(self, work: Work, number: int = 0) -> Ticket:
         """Queue a request the HTTP side knows by `number` (work.EngineClient). When every row is taken and the
@@ -161,7 +129,7 @@ class Engine:
         if full:
             self.publish([(ticket, Failed(503, OVERLOADED, code="server_overloaded"))])
         elif work.options.constraint is not None:
-            self.compiler.submit(self._compile, ticket)
+            self.compiler.submit(ticket)
         else:
             self._enqueue(ticket)
         return ticket
@@ -171,24 +139,10 @@ class Engine:
             self.incoming.append(ticket)
         self.wake.set()
 
-    def _compile(self, ticket: Ticket) -> None:
-        """(The compiler's thread.) Compile the request's constraint, then queue the request; one that cannot be
-        followed is a 400 naming its field."""
-        work = ticket.work
-        try:
-            ticket.constraint = compiled(work.options.constraint, self.tokenizer)
-        except AftgenError as exc:
-            self._dequeued()
-            message = f"'{work.constraint_field}': {exc}" if work.constraint_field else str(exc)
-            failed = Failed(400, message, "invalid_request_error", "invalid_constraint", param=work.constraint_field)
-            self.publish([(ticket, failed)])
-            return
-        except Exception:  # a bug: this request fails alone
-            traceback.print_exc(file=sys.stderr)
-            self._dequeued()
-            self.publish([(ticket, Failed(500, "internal error compiling the constraint (see the server's log)"))])
-            return
-        self._enqueue(ticket)
+    def _refuse(self, ticket: Ticket, failed: Failed) -> None:
+        """(The compiler's thread.) A request whose constraint cannot be followed leaves the queue with its error."""
+        self._dequeued()
+        self.publish([(ticket, failed)])
 
     def cancel(self, ticket: Ticket) -> None:
         """The client went away: stop its work and free its rows at the next turn (a no-op once it is done)."""
@@ -242,17 +196,14 @@ class Engine:
                     self._flush(at_once=True)
 
     def _has_work(self) -> bool:
-        saved = self.saving and self.saving[0][1].done()
+        saved = self.session_writer.any_written()
         return bool(self.batch.rows or self.reading or self.incoming or saved or self._admissible())
 
     def _admissible(self) -> bool:
         """Some request waiting could be taken in: none before the step is ready, nor one whose session's last
         turn is being saved (the step's compile and each save wake the loop when they end)."""
-        saving = self._saving_sessions()
+        saving = self.session_writer.sessions_saving()
         return self.ready() and any(ticket.work.session not in saving for ticket in self.waiting)
-
-    def _saving_sessions(self) -> set[str]:
-        return {row.ticket.work.session for row, _ in self.saving}
 
     def _sleep(self) -> None:
         """Nothing to do: sleep until work comes (submit, cancel and stop wake the loop), text waiting here is
@@ -338,56 +289,19 @@ class Engine:
         written, then reads what it wrote: its client may have left before that turn's end, and goes on."""
         if not self.ready():
             return
-        saving, deferred = self._saving_sessions(), []
+        saving, deferred = self.session_writer.sessions_saving(), []
         while self.waiting and self.occupied() + self.waiting[0].work.n <= self.options.parallel:
             ticket = self.waiting.popleft()
             if ticket.work.session in saving:
                 deferred.append(ticket)
                 continue
             self._dequeued()
-            reader = self._reader(ticket)
+            reader = self.prompts.start(ticket)
             if isinstance(reader, Failed):
                 self._emit(ticket, reader)
             else:
                 self.reading.append(reader)
         self.waiting.extendleft(reversed(deferred))
-
-    def _reader(self, ticket: Ticket) -> Reader | Failed:
-        """Where the request's prompt starts reading: a session's context, a cached prefix, or nothing."""
-        work = ticket.work
-        if work.session is None:
-            score = work.logprobs if work.echo else None  # the echo's scores need every position's logits
-            prompt = self._prompt_reader(opening(self.tokenizer, work.prompt, None), None, work.options.seed, score)
-            return Reader(ticket, prompt, cached=0 if score is not None else self._from_cache(prompt))
-        if work.session in self.busy_sessions:
-            message = f"session '{work.session}' is busy with another request; send the next one when it has finished"
-            return Failed(409, message, "invalid_request_error", "session_busy")
-        try:
-            context = self.sessions.get(work.session)  # None: a new session starts like a fresh prompt
-        except AftgenError as exc:  # a damaged file, or one another model wrote
-            return Failed(400, f"session '{work.session}' cannot be continued: {exc}", "invalid_request_error")
-        self.busy_sessions.add(work.session)
-        ids = opening(self.tokenizer, work.prompt, context)
-        return Reader(ticket, self._prompt_reader(ids, context, work.options.seed))
-
-    def _prompt_reader(
-        self, ids: list[int], context: Context | None = None, seed: int | None = None, score: int | None = None
-    ) -> PromptReader:
-        """A reader of `ids` into `context` (None: a fresh one) in --prompt-chunk pieces. One the cache may keep (a
-        fresh prompt's, read without scores: those read every position's logits, which round otherwise) marks
-        where its last piece starts."""
-        marks = self.cache is not None and context is None and score is None
-        piece = self.options.prompt_chunk
-        return PromptReader(self.model, ids, context, seed, score=score, piece=piece, mark=marks)
-
-    def _from_cache(self, prompt: PromptReader) -> int:
-        """Start `prompt` after the longest prefix of it the cache holds that ends one of its pieces, or after
-        all of it; returns that prefix's length."""
-        hit = self.cache.lookup(prompt.ids) if self.cache else None
-        if hit is None:
-            return 0
-        prompt.skip(hit.state, hit.logits, hit.tokens)
-        return hit.tokens
 
     def _read(self) -> None:
         """Read prompt_chunk prompt tokens, from the longest-waiting readers first, in whole pieces.
@@ -419,12 +333,12 @@ class Engine:
         context = reader.prompt.finish()
         contexts = [context]
         if work.session is None:
-            self._keep(reader.prompt, reader.cached)
+            self.prompts.keep(reader.prompt, reader.cached)
             seed = work.options.seed  # choice i draws from seed + i
             contexts += [context.fork(new_generator(None if seed is None else seed + i)) for i in range(1, work.n)]
         ticket.unfinished = len(contexts)
         remember = work.reply_suffix is not None and work.session is None
-        echo = self._echo(reader) if work.echo else None
+        echo = self.prompts.echo(reader) if work.echo else None
         if echo:
             self._emit(ticket, echo)
         joining = []
@@ -439,16 +353,6 @@ class Engine:
         self.batch.add(joining)
         for row, _ in joining:
             row.stream.context.state = []  # the batch holds it now; a session gets it back when it ends
-
-    def _echo(self, reader: Reader) -> Echo:
-        """The prompt as the client gave it: its text and, with logprobs, its tokens' scores (a BOS read first has
-        none)."""
-        given = reader.ticket.work.prompt
-        text, starts = text_starts(self.tokenizer, given)
-        if reader.prompt.score is None:
-            return Echo(text)
-        scores = reader.prompt.scores[len(reader.prompt.ids) - len(given) :]
-        return Echo(text, [(start, *score) for start, score in zip(starts, scores, strict=True)])
 
     def _step(self) -> None:
         """One batched step: every row's next token in, every row's logits out. A row whose constraint cannot
@@ -559,7 +463,7 @@ class Engine:
         ticket, stream = row.ticket, row.stream
         self._emit(ticket, Finished(row.index, "stop" if stream.stopped else "length", stream.produced))
         if row.prompt and self.cache is not None:
-            self._remember_reply(row)
+            self.prompts.remember_reply(row)
         ticket.unfinished -= 1
         if ticket.unfinished == 0:
             self._emit(ticket, Done())
@@ -567,29 +471,15 @@ class Engine:
     def _keep_session(self, row: Row) -> None:
         """Keep a session's context after its turn, its file written by the session writer (the turn ends in
         `_saved` then); the session stays busy until then, so no turn reads it before its latest write."""
-        name, context = row.ticket.work.session, row.stream.context
         if self.sessions.folder is None:
             self._session_saved(row, None)
             return
-        saving = self.session_writer.submit(self._write_session, name, context)
-        saving.add_done_callback(lambda _: self.wake.set())
-        self.saving.append((row, saving))
-
-    def _write_session(self, name: str, context: Context) -> Failed | None:
-        """On the session writer's thread: the session's file; a file that cannot be written fails this
-        request alone, and the session stays as it was before the turn."""
-        try:
-            self.sessions.write(name, context)
-        except (AftgenError, OSError) as exc:
-            message = f"session '{name}' could not be saved ({exc}); it stays as it was before this request"
-            return Failed(500, message, "server_error", "session_not_saved")
-        return None
+        self.session_writer.save(row)
 
     def _saved(self) -> None:
         """End the turns whose session files are written, in the order they were given to the writer."""
-        while self.saving and self.saving[0][1].done():
-            row, saving = self.saving.popleft()
-            self._session_saved(row, saving.result())
+        for row, failed in self.session_writer.written():
+            self._session_saved(row, failed)
 
     def _session_saved(self, row: Row, failed: Failed | None) -> None:
         name = row.ticket.work.session
@@ -599,68 +489,3 @@ class Engine:
             return
         self.sessions.keep(name, row.stream.context, busy=self.busy_sessions)
         self._close(row)
-
-    def _remember_reply(self, row: Row) -> None:
-        """Cache the conversation as the client will send it next: the prompt, then the reply read as text.
-
-        The reply's own tokens need not be how the tokenizer spells its text, and a client sends text;
-        reading it now (a short parallel pass) means the next turn reads only its new message and this
-        conversation's last piece (the cache's docstring says why).
-        """
-        reply = "".join(row.parts) + row.ticket.work.reply_suffix
-        prompt = self._prompt_reader(row.prompt + self.tokenizer.encode(reply))
-        cached = self._from_cache(prompt)
-        prompt.read()
-        self._keep(prompt, cached)
-
-    def _keep(self, prompt: PromptReader, cached: int) -> None:
-        """Cache a fresh prompt read past what the cache held: the state after it, and where its last piece starts
-        (a longer prompt starting with it can go on from there alone: the cache's docstring says why)."""
-        if self.cache is None or not prompt.mark:
-            return
-        if prompt.last_start is not None and prompt.last_start[0] > cached:
-            start, state, logits = prompt.last_start
-            self.cache.put(prompt.ids[:start], state, logits)
-        if cached < len(prompt.ids):
-            self.cache.put(prompt.ids, prompt.context.state, prompt.context.logits)
-
-
-def text_starts(tokenizer: Tokenizer, ids: list[int]) -> tuple[str, list[int]]:
-    """The text of `ids`, and where each one's text starts in it."""
-    decoder, parts, starts, length = tokenizer.stream_decoder(), [], [], 0
-    for token in ids:
-        starts.append(length)
-        parts.append(decoder.feed(token))
-        length += len(parts[-1])
-    return "".join(parts) + decoder.flush(), starts
-
-
-def not_finite(row: Row) -> Failed:
-    """How a request fails when one of its rows has NaN or infinite scores: naming the row (and its session)."""
-    session = row.ticket.work.session
-    if session is None:
-        advice = "the model served may be damaged: tell the server's operator"
-    else:
-        advice = f"session '{session}' stays as it was before this request; if this happens again, start a new one"
-    message = f"choice {row.index}: the model's scores for the next token are NaN or infinite, so no token could be"
-    return Failed(500, f"{message} drawn ({advice})", "server_error", "scores_not_finite")
-
-
-def over_budget(row: Row) -> bool:
-    """The row's constraint has spent more on its masks than MASK_SHARE of the batch's steps allows."""
-    matcher = row.stream.matcher
-    return matcher is not None and matcher.spent > MASK_GRACE + MASK_SHARE * row.stepped
-
-
-def too_costly(row: Row) -> Failed:
-    spent, stepped = row.stream.matcher.spent, row.stepped
-    message = (
-        f"choice {row.index}: the constraint's token masks took {spent:.2f} s beside {stepped:.2f} s of the model's "
-        f"steps, more than this server allows (a grammar whose rules are ambiguous grows costlier with each token)"
-    )
-    return Failed(500, message, "server_error", "constraint_too_costly")
-
-
-def broken(row: Row, message: str) -> Failed:
-    """How a request fails when a row's constraint cannot go on (llguidance's limits reached)."""
-    return Failed(500, f"choice {row.index}: {message}", "server_error", "constraint_broken")
