@@ -1,4 +1,5 @@
-"""What the server tests share: a server run in a thread of the test process, and the clients that talk to it."""
+"""What the server tests share: a server run in a thread of the test process, and the clients that talk to it;
+what `aftgen sample` gives, to compare with; a step whose compile ends when a test says."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ from conftest import DEVICE
 
 from aftgen.api import load
 from aftgen.device import resolve
+from aftgen.generation.controls import SamplingOptions
+from aftgen.generation.loop import generate
+from aftgen.generation.prompt import read_prompt
+from aftgen.model import AFTLM
+from aftgen.serve import batch as batch_module
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.remote import EngineProcess
@@ -25,6 +31,23 @@ KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LONG = 20_000  # tokens: a stream that outlasts anything a test waits for (it is closed before the end)
 LIMITS = dict(max_tokens=LONG, max_prompt_tokens=300, max_body_bytes=4096, parallel=16, queue=4)
+PERSON = {  # the issue's: a string of at most 20 characters, an integer and an enum
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "kind": {"enum": ["friend", "foe", "stranger"]},
+    },
+    "required": ["name", "age", "kind"],
+    "additionalProperties": False,
+}
+
+
+def library_text(model_dir, prompt: str, **options) -> str:
+    """What `aftgen sample` prints for the same prompt and options (without the echoed prompt)."""
+    model, tokenizer = load(model_dir, device=DEVICE)
+    context = read_prompt(model, tokenizer, prompt, seed=options.get("seed"))
+    return "".join(generate(model, tokenizer, context, SamplingOptions(**options)))
 
 
 def server_options(model_dir, **changes) -> ServeOptions:
@@ -128,3 +151,19 @@ def engine_processes() -> list[int]:
     pid = os.getpid()
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return [int(child) for child in children if b"aftgen.serve.remote" in Path(f"/proc/{child}/cmdline").read_bytes()]
+
+
+def slow_compile(monkeypatch, model: AFTLM) -> tuple[threading.Event, list[int]]:
+    """Compiles that end when the returned event is set, of a step that notes each batch's rows in the list."""
+    done, calls = threading.Event(), []
+
+    def compiled(ids, state):
+        calls.append(ids.shape[0])
+        return model.step(ids, state)
+
+    def compile_step(model, rows, batch_invariant):
+        done.wait(30)
+        return compiled, "compiled in 30 s"
+
+    monkeypatch.setattr(batch_module, "compile_step", compile_step)
+    return done, calls

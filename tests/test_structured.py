@@ -1,7 +1,7 @@
 """Structured output: every constrained reply parses, validates or matches, across seeds and temperatures, in
-both routes and on the command line; a constrained row leaves the free rows beside it drawing what they draw
-alone; a constraint that cannot be compiled or followed is a 400 naming its field, and one that breaks or costs
-too much while drawing fails its own request alone."""
+both routes and on the command line, and a constraint that cannot be compiled or followed is a 400 naming its
+field (a constrained row among free ones, and one that breaks or costs too much while drawing: tests/serve/
+test_engine.py)."""
 
 from __future__ import annotations
 
@@ -12,44 +12,28 @@ from collections.abc import Iterator
 
 import httpx
 import jsonschema
-import llguidance
 import pytest
 from conftest import DEVICE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving import KEY, client, post, running
+from serving import KEY, PERSON, client, post, running
 from typer.testing import CliRunner
 
-from aftgen import constraints
 from aftgen.api import load
 from aftgen.cli import app
-from aftgen.constraints import ANY_JSON_OBJECT, Constraint, compiled, json_source
-from aftgen.device import resolve
+from aftgen.constraints import ANY_JSON_OBJECT, Constraint, compiled
 from aftgen.generation.controls import SamplingOptions
 from aftgen.generation.loop import generate
 from aftgen.generation.prompt import read_prompt
-from aftgen.serve import rows as rows_module
-from aftgen.serve.engine import Engine
-from aftgen.serve.options import ServeOptions
+from aftgen.model import AFTLM
 from aftgen.serve.schema import APIError, structured_outputs
-from aftgen.serve.work import Done, Failed, Text, Work
+from aftgen.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
-PERSON = {  # the issue's: a string of at most 20 characters, an integer and an enum
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "kind": {"enum": ["friend", "foe", "stranger"]},
-    },
-    "required": ["name", "age", "kind"],
-    "additionalProperties": False,
-}
 PHONE = "[0-9]{3}-[0-9]{4}"
 TEMPERATURES = (0.0, 0.7, 1.0, 1.5)
 CHOICES = 8  # choices a request: choice i draws from seed + i
-AMBIGUOUS = 'start: s\ns: s s | s s s | "a" | "e" | " "'  # each token's mask costs more than the one before
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +78,13 @@ def test_every_reply_to_a_regex_grammar_or_choice_matches(url, field, matches):
             assert choice["finish_reason"] == "stop" and matches(choice["text"]), choice
 
 
-def test_json_object_asks_for_an_object(url, engine):
+@pytest.fixture(scope="module")
+def tiny(tiny_run) -> tuple[AFTLM, Tokenizer]:
+    """The tiny run's model and tokenizer."""
+    return load(tiny_run)
+
+
+def test_json_object_asks_for_an_object(url, tiny):
     """Any object: its keys are free text, where a tiny model can wander past max_tokens. Those that end
     validate; those cut short are text that llguidance's matcher for the schema takes, token by token."""
     body = dict(prompt="KING:", n=CHOICES, seed=0, max_tokens=60, response_format={"type": "json_object"})
@@ -102,9 +92,10 @@ def test_json_object_asks_for_an_object(url, engine):
         if choice["finish_reason"] == "stop":
             jsonschema.validate(json.loads(choice["text"]), {"type": "object"})
         else:
-            ids = engine.tokenizer.encode(choice["text"])
-            matcher = compiled(Constraint("json_schema", ANY_JSON_OBJECT), engine.tokenizer).deep_copy()
-            assert engine.tokenizer.decode(ids) == choice["text"] and matcher.consume_tokens(ids), choice
+            tokenizer = tiny[1]
+            ids = tokenizer.encode(choice["text"])
+            matcher = compiled(Constraint("json_schema", ANY_JSON_OBJECT), tokenizer).deep_copy()
+            assert tokenizer.decode(ids) == choice["text"] and matcher.consume_tokens(ids), choice
 
 
 def test_a_stream_follows_the_schema_too(url):
@@ -166,72 +157,6 @@ def test_a_refused_constraint_leaves_the_requests_beside_it_alone(url, stream):
         assert reply.status_code == 200 and "error" not in reply.text, reply.text
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_run) -> Engine:
-    """An engine driven turn by turn, each row stepped apart (--batch-invariant): a row's text is its own."""
-    model, tokenizer = load(tiny_run)
-    options = ServeOptions(cache_mb=0, parallel=8, batch_invariant=True)
-    return Engine(model, tokenizer, options, resolve(DEVICE, "fp32"))
-
-
-def outcomes(engine: Engine, rows: list[SamplingOptions]) -> list[str | Failed]:
-    """Each row's text, or how its request failed, all generating at once from one prompt."""
-    events: list = []
-    engine.publish = events.extend  # the compiler's thread publishes a refusal too: extend is atomic
-    tickets = [engine.submit(Work(engine.tokenizer.encode("KING:"), options)) for options in rows]
-
-    def ended(ticket) -> Failed | Done | None:
-        return next((e for owner, e in list(events) if owner is ticket and isinstance(e, (Done, Failed))), None)
-
-    while not all(ended(ticket) for ticket in tickets):
-        engine.turn()
-    return [
-        ended(ticket)
-        if isinstance(ended(ticket), Failed)
-        else "".join(e.text for o, e in events if o is ticket and isinstance(e, Text))
-        for ticket in tickets
-    ]
-
-
-def texts(engine: Engine, rows: list[SamplingOptions]) -> list[str]:
-    """Each row's text, all generating at once from one prompt; none may fail."""
-    got = outcomes(engine, rows)
-    assert not [outcome for outcome in got if isinstance(outcome, Failed)], got
-    return got
-
-
-def test_a_constrained_row_leaves_the_free_rows_beside_it_alone(engine):
-    free = [SamplingOptions(max_new_tokens=24, temperature=1.0, seed=seed) for seed in range(3)]
-    alone = [texts(engine, [options])[0] for options in free]
-    shaped = SamplingOptions(max_new_tokens=60, seed=9, constraint=Constraint("json_schema", json_source(PERSON)))
-    together = texts(engine, [free[0], shaped, *free[1:]])
-    assert [together[0], *together[2:]] == alone
-    jsonschema.validate(json.loads(together[1]), PERSON)
-
-
-def test_a_constraint_that_breaks_while_drawing_fails_its_request_alone(engine, monkeypatch):
-    """llguidance's limits reached deep in an ambiguous grammar (made small here, so a few tokens reach them):
-    that request ends with an error naming them, and the free rows beside it draw what they draw alone."""
-    monkeypatch.setattr(constraints, "_limits", lambda: llguidance.LLParserLimits(step_max_items=300))
-    free = [SamplingOptions(max_new_tokens=24, temperature=1.0, seed=seed) for seed in range(3)]
-    alone = texts(engine, free)
-    shaped = SamplingOptions(max_new_tokens=200, seed=9, constraint=Constraint("grammar", AMBIGUOUS + " "))
-    failed, *together = outcomes(engine, [shaped, *free])
-    assert together == alone
-    assert failed.status == 500 and failed.code == "constraint_broken" and "Too many items" in failed.message
-
-
-def test_a_constraint_whose_masks_cost_more_than_the_steps_ends_its_request(engine, monkeypatch):
-    """With no grace and no share of the steps' time, a constraint's first mask is past its budget."""
-    monkeypatch.setattr(rows_module, "MASK_GRACE", 0.0)
-    monkeypatch.setattr(rows_module, "MASK_SHARE", 0.0)
-    free = SamplingOptions(max_new_tokens=24, temperature=1.0, seed=1)
-    shaped = SamplingOptions(max_new_tokens=200, seed=9, constraint=Constraint("grammar", AMBIGUOUS))
-    failed, text = outcomes(engine, [shaped, free])
-    assert text == texts(engine, [free])[0]
-    assert failed.status == 500 and failed.code == "constraint_too_costly", failed
-
-
 REGEX_PARTS = st.sampled_from(["[0-9]", "[a-z]", "[A-Z]", "(ab|cd)", "-", " ", r"\.", "x"])
 
 
@@ -244,8 +169,8 @@ def regexes(draw) -> str:
 
 @settings(max_examples=15, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(pattern=regexes(), seed=st.integers(0, 1 << 32), temperature=st.sampled_from(TEMPERATURES))
-def test_generated_text_matches_small_regexes(engine, pattern, seed, temperature):
-    model, tokenizer = engine.model, engine.tokenizer
+def test_generated_text_matches_small_regexes(tiny, pattern, seed, temperature):
+    model, tokenizer = tiny
     context = read_prompt(model, tokenizer, "KING:", seed=seed)
     options = SamplingOptions(max_new_tokens=100, temperature=temperature, constraint=Constraint("regex", pattern))
     assert re.fullmatch(pattern, "".join(generate(model, tokenizer, context, options)))
