@@ -140,7 +140,7 @@ class Engine:
         self.wake.set()
 
     def _refuse(self, ticket: Ticket, failed: Failed) -> None:
-        """(The compiler's thread.) A request whose constraint cannot be followed leaves the queue with its error."""
+        """(The compiler's thread.) A request whose constraint did not compile leaves the queue with its error."""
         self._dequeued()
         self.publish([(ticket, failed)])
 
