@@ -14,8 +14,8 @@ compiler fuses the widening of each weight into the one pass that reads it, fast
 The matrix kernels change the order of their products' sums with the number of rows
 (MKL's float32 ones for any batch; oneDNN's bf16 ones past 32 rows, or at other sizes), so a row's logits
 would depend on the rows beside it. Under `invariant_products()` (the batch-invariant step, aftgen.compiled
-.step.compile_step) every product goes through aftgen.rowdot instead, which sums each row in one order alone or
-among any others.
+.step.compile_step) every product goes through aftgen.native.matmul_rows instead, which sums each row in one order
+alone or among any others.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aftgen.rowdot import RowdotUnavailable, library, rowdot
+from aftgen.native.library import NativeUnavailable, library
+from aftgen.native.matmul_rows import matmul_rows
 
-KERNELS, WRITTEN, ROWDOT = "kernels", "written out", "rowdot"  # how `linear` multiplies (_products)
+KERNELS, WRITTEN, ROWS_APART = "kernels", "written out", "rows apart"  # how `linear` multiplies (_products)
 
 
 class _Products(threading.local):
@@ -68,8 +69,8 @@ class Invariance:
 def batch_invariant(asked: bool | None, device: torch.device, compiled: bool) -> Invariance:
     """--batch-invariant as given; else on for a compiled step on a CPU, whatever the weights' dtype and the
     CPU's units (a server then times it against the matrix kernels' step: `judged`). Off on a GPU, whose
-    products it writes out, for the eager step, whose rows it steps one at a time, and where rowdot cannot be
-    built (one line says why)."""
+    products it writes out, for the eager step, whose rows it steps one at a time, and where the native
+    library cannot be built (one line says why)."""
     if asked is not None:
         return Invariance(asked, None if asked else "--no-batch-invariant")
     if device.type != "cpu":
@@ -78,7 +79,7 @@ def batch_invariant(asked: bool | None, device: torch.device, compiled: bool) ->
         return Invariance(False, "the eager step is batch-invariant only when asked (--batch-invariant)")
     try:
         library()  # built and loaded now: where it cannot be, the step is the matrix kernels', not rows apart
-    except (RowdotUnavailable, OSError) as exc:
+    except (NativeUnavailable, OSError) as exc:
         print(f"warning: {exc}: the step is not batch-invariant", file=sys.stderr, flush=True)
         return Invariance(False, str(exc))
     return Invariance(True, by_default=True)
@@ -117,17 +118,18 @@ def written_products() -> contextlib.AbstractContextManager[None]:
 
 
 def invariant_products() -> contextlib.AbstractContextManager[None]:
-    """Within it, `linear` multiplies through aftgen.rowdot: a row's product is the same alone or in a batch."""
-    return _products(ROWDOT)
+    """Within it, `linear` multiplies through aftgen.native.matmul_rows: a row's product is the same alone or in a
+    batch."""
+    return _products(ROWS_APART)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weightᵀ + bias; with weights stored lower than float32, x multiplies in their dtype and the
     product comes back in float32."""
     mode = _PRODUCTS.mode  # read once as a compiler traces: the graph multiplies one way
-    if mode == ROWDOT:
+    if mode == ROWS_APART:
         rows = x.reshape(-1, x.shape[-1]).float()
-        product = rowdot(rows, weight).view(*x.shape[:-1], weight.shape[0])
+        product = matmul_rows(rows, weight).view(*x.shape[:-1], weight.shape[0])
     elif mode == WRITTEN:
         product = _written_product(x.to(weight.dtype), weight)
     elif weight.dtype == torch.float32:

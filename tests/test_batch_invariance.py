@@ -1,6 +1,6 @@
 """The same request, the same text, with --batch-invariant: a row's logits do not depend on the rows beside it,
 on every path that steps a batch (the compiled package, float32, bf16 and fp16-stored weights, through each of
-rowdot's kernels this machine runs, and the eager step rows apart), and a server's text is what `aftgen sample
+the product's kernels this machine runs, and the eager step rows apart), and a server's text is what `aftgen sample
 --seed` prints, alone, with n: 2 and among eight other requests."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from conftest import no_compiler
 from serving import LONG, Stream, busy_slots, client, running
 from typer.testing import CliRunner
 
-from aftgen import rowdot
 from aftgen.cli import app
 from aftgen.compiled.step import compile_step
 from aftgen.device import Placement
 from aftgen.layers import Invariance
 from aftgen.model import AFTLM, AFTConfig, clone_state
+from aftgen.native import library, matmul_rows
 from aftgen.serve import batch as batch_module
 from aftgen.serve.batch import Batch, CompiledBatchStep, eager_step
 
@@ -101,34 +101,34 @@ def test_a_compiled_rows_logits_are_its_own_alone_whatever_the_rows_beside_it(co
 
 
 def kernel_paths() -> list[tuple[int, bool]]:
-    """(level, AMX tiles) for each of rowdot's kernels this machine runs: the vector kernel's levels (base,
+    """(level, AMX tiles) for each of the product's kernels this machine runs: the vector kernel's levels (base,
     x86-64-v3, v4), with and without the tiles where the machine has them."""
-    library = rowdot.library()
-    tiles = library.aftgen_rowdot_use(-1, 1) == 0  # the machine's own kernels: what every other test runs
-    return [(level, amx) for level in range(library.aftgen_rowdot_levels()) for amx in {False, tiles}]
+    loaded = library.library()
+    tiles = loaded.aftgen_rowdot_use(-1, 1) == 0  # the machine's own kernels: what every other test runs
+    return [(level, amx) for level in range(loaded.aftgen_rowdot_levels()) for amx in {False, tiles}]
 
 
 @contextlib.contextmanager
 def kernels_used(level: int, amx: bool) -> Iterator[None]:
     """Every product, the step packages' too, through the vector kernel of `level` and the tiles or not."""
-    library = rowdot.library()
-    assert library.aftgen_rowdot_use(level, amx) == 0
+    loaded = library.library()
+    assert loaded.aftgen_rowdot_use(level, amx) == 0
     try:
         yield
     finally:
-        if library.aftgen_rowdot_use(-1, 1) != 0:  # the machine's own again: AMX where it has it
-            library.aftgen_rowdot_use(-1, 0)
+        if loaded.aftgen_rowdot_use(-1, 1) != 0:  # the machine's own again: AMX where it has it
+            loaded.aftgen_rowdot_use(-1, 0)
 
 
 @pytest.mark.parametrize("weights", [*WEIGHTS, *STORED])
-def test_a_rows_logits_are_its_own_through_each_of_rowdots_kernels(compiled, weights):
+def test_a_rows_logits_are_its_own_through_each_of_the_products_kernels(compiled, weights):
     """Each path a CPU may take, forced on this one: a Zen 4's (AVX-512 without AMX), an AVX2 machine's, an old
     one's, and AMX's; a row's logits the same bits alone and among others on each."""
     model, step = compiled[weights]
     bf16 = torch.zeros(64, 64, dtype=torch.bfloat16)
     for level, amx in kernel_paths():
         with kernels_used(level, amx):
-            assert rowdot.kernel(bf16) == ("amx" if amx else "vector")
+            assert matmul_rows.kernel(bf16) == ("amx" if amx else "vector")
             assert_each_row_as_alone(model, step)
 
 

@@ -15,7 +15,7 @@ PACKAGE = Path(aftgen.__file__).parent
 LAYERS = {
     "foundations": ["aftgen.errors", "aftgen.options", "aftgen.files", "aftgen.device", "aftgen.distributed",
                     "aftgen.cores", "aftgen.layers", "aftgen.mixers", "aftgen.tokenizer", "aftgen.compiled",
-                    "aftgen.rowdot"],
+                    "aftgen.native"],
     "model": ["aftgen.model", "aftgen.checkpoint", "aftgen.hf", "aftgen.corpus", "aftgen.hub", "aftgen.api", "aftgen"],
     "compiled code": ["aftgen.compiled.step", "aftgen.compiled.functions"],
     "generation": ["aftgen.constraints", "aftgen.generation", "aftgen.state", "aftgen.chat", "aftgen.evaluate"],

@@ -14,11 +14,11 @@ import pytest
 from conftest import DEVICE, make_corpus
 from serving import assert_openai_error, client, post, running, server_options, serving
 
-from aftgen import rowdot
 from aftgen.api import load
 from aftgen.device import resolve
 from aftgen.evaluate import evaluate_text
 from aftgen.generation.controls import SamplingOptions
+from aftgen.native import library
 from aftgen.serve import engine as engine_module
 from aftgen.serve.engine import Engine
 from aftgen.serve.replies import FIGURE
@@ -216,9 +216,9 @@ def test_bad_logprobs_fields_get_400_naming_the_field(url, path, fields, param):
 
 
 def test_the_librarys_figures_are_pythons_nine_digits():
-    """score_json.cpp's format_figure against Python's "%.9g", over float32's bit patterns and the edges of its
+    """scores_json.cpp's format_figure against Python's "%.9g", over float32's bit patterns and the edges of its
     integer arithmetic (1e-22 and 1e9, beyond which it hands over to snprintf)."""
-    write = rowdot.scores_library().aftgen_format_figure
+    write = library.usable_library().aftgen_format_figure
     rng = np.random.default_rng(9)
     edges = np.float32([0.0, -0.0, 1e9, 999999999.0, 99999999.5, 1e-22, 9.9999999e-23, 1e-4, 9.99999975e-5, 1e-5,
                         0.5, 2**-149, 3.4e38, np.inf, -np.inf, -1.0, -100.0])  # fmt: skip

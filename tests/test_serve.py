@@ -218,8 +218,6 @@ def test_second_chat_turn_reads_only_its_new_tokens_and_its_historys_last_piece(
     assert fresh.choices[0].message.content == second.choices[0].message.content
 
 
-
-
 @pytest.mark.parametrize(
     "fields, param",
     [
@@ -316,8 +314,6 @@ def test_serve_refuses_bad_options_and_a_missing_extra_in_one_line(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
     result = CliRunner().invoke(app, ["serve"])
     assert result.exit_code == 2 and "pip install 'aftgen[serve]'" in result.output
-
-
 
 
 @pytest.mark.parametrize(

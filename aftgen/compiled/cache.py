@@ -89,9 +89,9 @@ def cached_package(package: Path, build: Callable[[Path], None]) -> tuple[Path, 
 
 
 def cached_library(library: Path, build: Callable[[Path], None]) -> tuple[Path, str]:
-    """A shared library of aftgen's own (aftgen.rowdot) that `build(library)` writes, checked and recorded as a
+    """A shared library of aftgen's own (aftgen.native.library) that `build(library)` writes, checked and recorded as a
     package is; and FROM_CACHE where the cache held it intact."""
-    return _cached(library, _library_files, build, "the batch-invariant product's library")
+    return _cached(library, _library_files, build, "aftgen's native library")
 
 
 def _package_files(package: Path) -> dict[str, Path]:

@@ -3,7 +3,7 @@
 `compile_step` gives `model.step` through the packages (CompiledStep) for a batch range, or `model.step` itself
 where no compiler works, with a note of which. A package holds no weights (aftgen.compiled.aoti hands it the
 model's own), so one serves every model of an architecture; its cache key (_step_key) is everything else it
-depends on. The batch-invariant kind multiplies through aftgen.rowdot (aftgen.layers says why).
+depends on. The batch-invariant kind multiplies through aftgen.native.matmul_rows (aftgen.layers says why).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from aftgen import rowdot
 from aftgen.compiled.aoti import PackageRunner, UnlockedRunner
 from aftgen.compiled.cache import cached_package, compiled_folder, use_persistent_compile_cache
 from aftgen.compiled.functions import failure_line
 from aftgen.files import atomic_open, own_source
-from aftgen.layers import ROWDOT, WRITTEN, invariant_products, written_products
+from aftgen.layers import ROWS_APART, WRITTEN, invariant_products, written_products
 from aftgen.model import AFTLM, ModelState, StepFunction
+from aftgen.native import library, matmul_rows
 
 # The step is compiled ahead of time (torch.export, then AOTInductor) rather than through torch.compile:
 # a step is a millisecond, and torch.compile's guards and Python wrappers cost a third of one beside the
@@ -41,7 +41,7 @@ STEP_PACKAGE_CONFIG = {
 # How the fused kernels use threads. A batch's take torch's thread count when they run, not when they were
 # compiled: they follow aftgen.cores' share. A single row's work between its products (a few hundred numbers
 # a kernel) is shorter than waking a second thread: its kernels run on one, its products on torch's threads.
-# So do the batch-invariant package's, whose products (aftgen.rowdot) run on one thread: one package serves
+# So do the batch-invariant package's, whose products (aftgen.native.matmul_rows) run on one thread: one package serves
 # every batch, and at one row its kernels on one thread were faster than with torch's (one torch thread, the
 # shipped model), and no slower at 32 rows (figures: docs/benchmarks.md).
 STEP_THREADS = {"rows": {"cpp.dynamic_threads": True}, "one thread": {"cpp.threads": 1}}
@@ -111,7 +111,7 @@ class CompiledStep:
 def compile_step(model: AFTLM, max_batch: int = 1, batch_invariant: bool = False) -> tuple[StepFunction, str]:
     """`model.step` compiled for every batch size from 1 to `max_batch` (CompiledStep), or `model.step`
     itself where no compiler works; and a note of what happened. `batch_invariant`: a row's logits are the
-    same bits whatever rows share its step (its products through aftgen.rowdot on a CPU, written out on a GPU).
+    same bits whatever rows share its step (its products through matmul_rows on a CPU, written out on a GPU).
 
     The first compile of a model's architecture (tens of seconds) is kept in aftgen's cache folder; later
     ones, in this process or the next, load it in well under a second. Compile once, before generating,
@@ -143,8 +143,8 @@ def _compiled_step(model: AFTLM, max_batch: int, batch_invariant: bool) -> tuple
 def _step_runner(model: AFTLM, max_batch: int, kind: str) -> tuple[PackageRunner, str]:
     """The runner of the model's step package for 1 to `max_batch` rows, and " (from the cache)" where the
     cache had the package. On a CPU it runs without Python's lock (aftgen.compiled.aoti)."""
-    if _products(model, kind) == ROWDOT:  # the package calls the product's library: loaded first, symbols global
-        rowdot.library()
+    if _products(model, kind) == ROWS_APART:  # the package calls the native library: loaded first, symbols global
+        library.library()
     path, origin = step_package(model, max_batch, kind)
     runner = UnlockedRunner if model.embed.weight.device.type == "cpu" else loaded_runner
     return runner(path, step_constants(model)), origin
@@ -192,41 +192,41 @@ def _package_step(model: AFTLM, max_batch: int, kind: str, path: Path) -> None:
 
 def _products(model: AFTLM, kind: str) -> str:
     """How a package of `kind` multiplies: through the matrix kernels, written out (a single row's, for
-    speed; a GPU's batch-invariant one), or through aftgen.rowdot (a CPU's batch-invariant one)."""
+    speed; a GPU's batch-invariant one), or through aftgen.native.matmul_rows (a CPU's batch-invariant one)."""
     if kind == KERNELS:
         return KERNELS
-    return ROWDOT if kind == BATCH_INVARIANT and model.embed.weight.device.type == "cpu" else WRITTEN
+    return ROWS_APART if kind == BATCH_INVARIANT and model.embed.weight.device.type == "cpu" else WRITTEN
 
 
 def _package_configs(model: AFTLM, max_batch: int, kind: str) -> dict:
     """The compiler's settings for a package of 1 to `max_batch` rows (a new dict: the compiler adds to it)."""
     products = _products(model, kind)
-    threads = STEP_THREADS["one thread" if max_batch == 1 or products == ROWDOT else "rows"]
+    threads = STEP_THREADS["one thread" if max_batch == 1 or products == ROWS_APART else "rows"]
     return STEP_PACKAGE_CONFIG | threads | (WRITTEN_CONFIG if products == WRITTEN else {})
 
 
 def _shims(model: AFTLM, kind: str) -> dict:
-    """How a package of `kind` calls aftgen's own C functions (aftgen.rowdot: the batch-invariant product)."""
-    if _products(model, kind) != ROWDOT:
+    """How a package of `kind` calls aftgen's own C functions (the batch-invariant product, matmul_rows)."""
+    if _products(model, kind) != ROWS_APART:
         return {}
-    return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.aftgen.rowdot.default: [rowdot.SHIM]}}
+    return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.aftgen.matmul_rows.default: [matmul_rows.SHIM]}}
 
 
 def _numerics(products: str) -> contextlib.AbstractContextManager:
     """Tracing a package whose products are `products` (_products)."""
-    return {WRITTEN: written_products, ROWDOT: invariant_products}.get(products, contextlib.nullcontext)()
+    return {WRITTEN: written_products, ROWS_APART: invariant_products}.get(products, contextlib.nullcontext)()
 
 
 def _step_key(model: AFTLM, max_batch: int, kind: str) -> str:
     """What a compiled step depends on: the architecture, the batch range, the step's code, torch, the
-    machine's instruction set or GPU, autocast, the weights' dtype and how it calls aftgen.rowdot. Not the
+    machine's instruction set or GPU, autocast, the weights' dtype and how it calls aftgen.native.matmul_rows. Not the
     weights: the package is handed them when it is loaded."""
     device = model.embed.weight.device
     autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
     configs = _package_configs(model, max_batch, kind)
     facts = [STEP_PACKAGE_FORMAT, model.config.to_dict(), max_batch, str(device), hardware, str(autocast),
-             str(model.embed.weight.dtype), torch.__version__, kind, configs, rowdot.SHIM]  # fmt: skip
+             str(model.embed.weight.dtype), torch.__version__, kind, configs, matmul_rows.SHIM]  # fmt: skip
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
     package = Path(__file__).parents[1]
     code = [Path(__file__), package / "model.py", package / "layers.py", *package.glob("mixers/*.py")]

@@ -9,7 +9,7 @@ import struct
 
 import torch
 
-from aftgen import rowdot
+from aftgen.native import top_scores
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -26,7 +26,7 @@ def token_scores(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[t
     """Each token's (id, scores record) under its row of logits (T, V): its log-probability (token_logprobs'
     figure) and the `top` likeliest tokens', likeliest first, packed for the trip to the replies (read_scores)."""
     count = min(top, logits.shape[-1])
-    packed = rowdot.top_scores(logits, tokens, count) if logits.device.type == "cpu" else None
+    packed = top_scores.top_scores(logits, tokens, count) if logits.device.type == "cpu" else None
     if packed is None:  # a GPU's logits, no C++ compiler here, or more alternatives than the kernel keeps
         packed = top_scores_in_torch(logits.float().log_softmax(-1), tokens, count)
     # one call for the step, cut into rows: a call a row costs the engine twice that
@@ -36,7 +36,7 @@ def token_scores(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[t
 
 
 def top_scores_in_torch(logprobs: torch.Tensor, tokens: torch.Tensor, count: int) -> torch.Tensor:
-    """rowdot.top_scores's packing (T, 1 + 2 count) int32 on the CPU, from logprobs (T, V) on any device; among
+    """aftgen.native.top_scores's packing (T, 1 + 2 count) int32 on the CPU, from logprobs (T, V) on any device; among
     equal figures, in torch.topk's order (a stable sort, which would keep top_scores's, costs a CPU 30 times as
     much)."""
     best = logprobs.topk(count, -1)

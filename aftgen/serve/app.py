@@ -136,7 +136,7 @@ class Server:
 
         self.engine.publish = lambda events: loop.call_soon_threadsafe(deliver, events)
         self.engine.start()
-        # the scores' writer (the tokenizer's names made JSON, the rowdot library loaded) made now, not in the event
+        # the scores' writer (the tokenizer's names made JSON, the native library loaded) made now, not in the event
         # loop as the first request with logprobs is delivered
         await asyncio.to_thread(scores_writer, self.engine.tokenizer)
         try:

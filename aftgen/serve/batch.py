@@ -6,7 +6,7 @@ read, so sequences of any lengths step together, each at its own phase of its ri
 and a row's state joins and leaves the batch as it is. The step itself is the library's.
 
 Batch-invariant (`--batch-invariant`, the default for a compiled step on a CPU), a row's logits are what it
-would get alone, whatever the rows beside it: the compiled step is made so (aftgen.model, aftgen.rowdot),
+would get alone, whatever the rows beside it: the compiled step is made so (aftgen.model, aftgen.native),
 and the eager step, whose matrix kernels round differently with the number of rows, steps each row on its
 own (`rows_apart`).
 

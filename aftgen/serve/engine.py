@@ -24,13 +24,14 @@ from collections.abc import Callable
 
 import torch
 
-from aftgen import cores, rowdot
+from aftgen import cores
 from aftgen.constraints import ConstraintBroken
 from aftgen.device import Placement
 from aftgen.generation.drawing import ScoresNotFinite, new_generator
 from aftgen.generation.scores import token_scores
 from aftgen.generation.stream import TextStream, next_tokens
 from aftgen.model import AFTLM, StepFunction
+from aftgen.native import library
 from aftgen.serve.batch import EAGER, Batch, CompiledBatchStep, eager_step
 from aftgen.serve.cache import PrefixCache, state_bytes
 from aftgen.serve.constraining import ConstraintCompiler
@@ -77,7 +78,7 @@ class Engine:
         deadlines and the text's hand-over."""
         self.model, self.tokenizer, self.options, self.placement = model, tokenizer, options, placement
         if placement.device.type == "cpu":
-            rowdot.scores_library()  # built now if it must be, not in the first step that asks for scores
+            library.usable_library()  # built now if it must be, not in the first step that asks for scores
         step = step or eager_step(model, options.batch_invariant)
         self.batch = Batch(model, options.parallel, step)  # its rows are the Rows generating, in step order
         self.state_bytes = state_bytes(model.initial_state(1))

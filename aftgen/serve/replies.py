@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from aftgen import rowdot
 from aftgen.generation.scores import read_scores
+from aftgen.native.scores_json import UNIT, scores_json
 from aftgen.serve.work import Echo, Event, Failed, Finished, Started, Text, Ticket, TokenScores
 from aftgen.tokenizer import Tokenizer
 
@@ -28,7 +28,7 @@ ScoresJSON = tuple[int, str, str, str] | tuple[int, str]
 class ScoresWriter:
     """Tokens' scores written as OpenAI's `logprobs` JSON, for one tokenizer, from its tokens' names made JSON once: a
     streamed token with `logprobs: 5` names six, and json.dumps of the same dicts costs the HTTP side twice the time.
-    All the tokens of a turn's events go through the rowdot library in one call (score_json.cpp) where it can be
+    All the tokens of a turn's events go through the native library in one call (scores_json.cpp) where it can be
     had: the HTTP side shares the machine's cores with the engine, so its time a token slows every stream."""
 
     def __init__(self, tokenizer: Tokenizer, native: bool = True):
@@ -39,7 +39,7 @@ class ScoresWriter:
             f'{{"token":{name},"bytes":{as_json(list(tokenizer.token_bytes(token)))},"logprob":'
             for token, name in enumerate(self.names)
         ]
-        self.native = rowdot.score_json(self.names, self.entries) if native else None
+        self.native = scores_json(self.names, self.entries) if native else None
 
     def write(self, asks: list[tuple[bool, int, list[TokenScores]]]) -> list[list[ScoresJSON]]:
         """Each ask's scores as JSON (chat's shape or completions', with at most `top` alternatives a token)."""
@@ -48,7 +48,7 @@ class ScoresWriter:
                     for chat, top, scores in asks]  # fmt: skip
         texts = iter(self.native([(token, top, chat, record) for chat, top, scores in asks
                                   for _, token, record in scores]))  # fmt: skip
-        return [[(start, next(texts)) if chat else (start, *next(texts).split(rowdot.UNIT)) for start, _, _ in scores]
+        return [[(start, next(texts)) if chat else (start, *next(texts).split(UNIT)) for start, _, _ in scores]
                 for chat, _, scores in asks]  # fmt: skip
 
     def _json(self, chat: bool, top: int, token: int, record: str) -> tuple[str, ...]:

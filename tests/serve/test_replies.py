@@ -1,5 +1,5 @@
 """aftgen.serve.replies: the TokenScores of a turn's events written as OpenAI's `logprobs` JSON, in Python and by
-the rowdot library alike, and a record that cannot be read failing its own request alone."""
+the native library alike, and a record that cannot be read failing its own request alone."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from conftest import DEVICE
 
-from aftgen import rowdot
 from aftgen.api import load
 from aftgen.generation.scores import NO_SCORES
+from aftgen.native import scores_json
 from aftgen.serve import replies
 from aftgen.serve.replies import ScoresWriter, chat_logprobs, completions_logprobs
 from aftgen.serve.work import Text, Ticket
@@ -103,7 +103,7 @@ def test_the_librarys_writer_writes_what_python_writes_byte_for_byte(tokenizer):
 
 def test_the_librarys_writer_shows_many_tokens_in_pieces_as_one(tokenizer, monkeypatch):
     """An echo's thousands of prompt tokens go through the library a piece at a time: the pieces join as one."""
-    monkeypatch.setattr(rowdot, "SCORE_PIECE", 3)
+    monkeypatch.setattr(scores_json, "SCORE_PIECE", 3)
     record = records_of(-0.5, [(5, -0.5), (9, -1.5)])
     asks = [
         (chat, 2, [(start, 5 + start, record) for start in range(count)]) for chat, count in [(False, 7), (True, 5)]

@@ -1,5 +1,5 @@
 // y = x @ w^T, each output summed over the input in one fixed order whatever the number of rows: the product
-// of aftgen's batch-invariant step (aftgen/rowdot/__init__.py says why and how it is built and called).
+// of aftgen's batch-invariant step (aftgen/native/matmul_rows.py says why; aftgen/native/library.py builds it).
 //
 // x (M, K) float32, w (N, K) float32 or bf16, y (M, N) float32, all contiguous. Output (m, n) depends on row m
 // of x, row n of w and the kernel alone; the kernel is chosen from the machine and the shapes of w, never from M.

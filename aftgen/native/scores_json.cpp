@@ -1,5 +1,5 @@
 // OpenAI's `logprobs` JSON of tokens' scores, from the engine's score records: what aftgen.serve.replies's
-// ScoreWriter writes in Python, byte for byte, for every token of a turn's events at once. Written in Python a
+// ScoresWriter writes in Python, byte for byte, for every token of a turn's events at once. Written in Python a
 // token at a time, with `logprobs: 5` (six figures, six names), it cost the HTTP side as much a token inside a
 // busy server as the rest of a chunk, on cores it shares with the engine; a call a chunk through ctypes, less than
 // half of that (figures: docs/benchmarks.md).
@@ -20,7 +20,7 @@ namespace {
 
 constexpr int MOST = 64;  // alternatives a record holds at most (top_scores.cpp's MOST)
 
-// The tokenizer's names, made JSON once (ScoreWriter's): token t's is text[at[t] .. at[t + 1]), chat's entry start
+// The tokenizer's names, made JSON once (ScoresWriter's): token t's is text[at[t] .. at[t + 1]), chat's entry start
 // entries[entry_at[t] .. entry_at[t + 1]), and first[t] the lowest id with t's text (completions name a text once).
 struct Names {
     const char* text;
@@ -108,7 +108,7 @@ int format_figure(float v, char* out) {
 struct Score {
     int64_t token;
     bool chat;  // chat's shape
-    bool scored;  // false: nothing predicts the token (NO_SCORE)
+    bool scored;  // false: nothing predicts the token (NO_SCORES)
     float logprob;
     int count;  // alternatives kept (at most `top`)
     float values[MOST];

@@ -126,7 +126,7 @@ INLINE int score_rows(const float* logits, int64_t rows, int64_t vocab, const in
     return 0;
 }
 
-// One per level of the machine, compiled for it, as rowdot.cpp's products are: the log-sum-exp's vectors are 4, 8
+// One per level of the machine, compiled for it, as matmul_rows.cpp's products are: the log-sum-exp's vectors are 4, 8
 // or 16 floats wide. The figures may differ in their last bit from one level to another (fused multiply-adds),
 // never the order.
 typedef int (*ScoreRows)(const float* logits, int64_t rows, int64_t vocab, const int64_t* tokens, int k,

@@ -1,4 +1,4 @@
-"""rowdot.top_scores, the serving step's scores for `logprobs` from its logits: torch's log_softmax figures and
+"""aftgen.native.top_scores, the serving step's scores for `logprobs` from its logits: torch's log_softmax figures and
 torch.topk's ids at every level of the kernel this machine runs, the lower id first among equal logits, arguments
 out of range refused before anything is read, and torch's path where the library cannot be built (asked once, not
 at every step)."""
@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch._inductor.exc import InvalidCxxCompiler
 
-from aftgen import rowdot
 from aftgen.compiled.cache import CacheUnusable
 from aftgen.generation.scores import read_scores, token_scores
+from aftgen.native import library, top_scores
 
-LEVELS = range(rowdot.scores_levels())
+LEVELS = range(top_scores.scores_levels())
 
 
 def logits_without_ties(rows: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tensor:
@@ -42,7 +42,7 @@ def test_the_figures_are_log_softmaxs_and_the_ids_torch_topks(vocab, k, level):
     for seed in range(20):
         logits = logits_without_ties(32, vocab, seed)
         tokens = torch.randint(0, vocab, (32,), generator=torch.Generator().manual_seed(seed))
-        assert_torchs(rowdot.top_scores(logits, tokens, k, level), logits, tokens, k)
+        assert_torchs(top_scores.top_scores(logits, tokens, k, level), logits, tokens, k)
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -50,14 +50,14 @@ def test_the_figures_are_log_softmaxs_and_the_ids_torch_topks(vocab, k, level):
 def test_the_log_sum_exp_holds_over_the_whole_range(scale, level):
     logits = logits_without_ties(16, 777, seed=5, scale=scale) + 50.0
     tokens = torch.arange(16) * 40
-    assert_torchs(rowdot.top_scores(logits, tokens, 5, level), logits, tokens, 5)
+    assert_torchs(top_scores.top_scores(logits, tokens, 5, level), logits, tokens, 5)
 
 
 def test_among_equal_logits_the_lower_id_comes_first():
     logits = torch.full((3, 40), -3.0)
     logits[1, [7, 30, 12]] = -1.0  # three equal leaders, found out of order
     logits[2, 39] = float("-inf")
-    packed = rowdot.top_scores(logits, torch.tensor([0, 12, 39]), 5)
+    packed = top_scores.top_scores(logits, torch.tensor([0, 12, 39]), 5)
     ids = packed[:, 6:].tolist()
     assert ids == [[0, 1, 2, 3, 4], [7, 12, 30, 0, 1], [0, 1, 2, 3, 4]]
     chosen = packed[:, 0].view(torch.float32)
@@ -76,36 +76,36 @@ def test_ties_across_groups_come_lower_id_first_as_a_stable_sort_puts_them(vocab
     tokens = torch.zeros(6, dtype=torch.long)
     stable = logits.sort(dim=-1, descending=True, stable=True).indices
     for k in sorted({1, 3, 5, 20, min(vocab, 64)}):
-        ids = rowdot.top_scores(logits, tokens, k, level)[:, 1 + k :]
+        ids = top_scores.top_scores(logits, tokens, k, level)[:, 1 + k :]
         assert torch.equal(ids, stable[:, :k].int()), k
 
 
 @pytest.mark.parametrize("token", [40, -1, 2**40])
 def test_a_token_out_of_range_is_refused_not_read(token):
     with pytest.raises(ValueError, match="a token is out of range"):
-        rowdot.top_scores(torch.zeros(2, 40), torch.tensor([0, token]), 5)
+        top_scores.top_scores(torch.zeros(2, 40), torch.tensor([0, token]), 5)
 
 
 @pytest.mark.parametrize("k", [-1, 41, -(2**32) + 5, 2**32 + 5])  # the last two: what a C int would wrap to 5
 def test_a_k_out_of_range_is_refused_before_anything_is_made(k):
     with pytest.raises(ValueError, match=f"and k={k}$"):
-        rowdot.top_scores(torch.zeros(2, 40), torch.tensor([0, 1]), k)
+        top_scores.top_scores(torch.zeros(2, 40), torch.tensor([0, 1]), k)
 
 
 @pytest.mark.parametrize("level", [-1, 3, 2**32 + 1])
 def test_a_level_this_machine_cannot_run_is_refused(level):
-    if 0 <= level < rowdot.scores_levels():
+    if 0 <= level < top_scores.scores_levels():
         pytest.skip("this machine runs that level")
     with pytest.raises(ValueError, match="levels 0 to"):
-        rowdot.top_scores(torch.zeros(2, 40), torch.tensor([0, 1]), 5, level)
+        top_scores.top_scores(torch.zeros(2, 40), torch.tensor([0, 1]), 5, level)
 
 
 def test_more_alternatives_than_the_kernel_keeps_are_torchs():
     logits = logits_without_ties(2, 100, seed=3)
     tokens = torch.tensor([4, 99])
-    most = rowdot.scores_library().top_scores_most
-    assert rowdot.top_scores(logits, tokens, most) is not None
-    assert rowdot.top_scores(logits, tokens, most + 1) is None
+    most = library.usable_library().top_scores_most
+    assert top_scores.top_scores(logits, tokens, most) is not None
+    assert top_scores.top_scores(logits, tokens, most + 1) is None
     records = token_scores(logits, tokens, most + 1)
     assert [len(read_scores(record, most + 1)[1]) for _, record in records] == [most + 1] * 2
 
@@ -118,7 +118,7 @@ def test_more_alternatives_than_the_kernel_keeps_are_torchs():
 )  # fmt: skip
 def test_shapes_or_a_device_the_kernel_cannot_read_are_refused_not_read(logits, tokens):
     with pytest.raises(ValueError, match="top_scores reads logits"):
-        rowdot.top_scores(logits, tokens, 0)
+        top_scores.top_scores(logits, tokens, 0)
 
 
 def records(scored: list[tuple[int, str]]) -> list[tuple]:
@@ -127,7 +127,7 @@ def records(scored: list[tuple[int, str]]) -> list[tuple]:
 
 @pytest.mark.parametrize(
     "failure",
-    [rowdot.RowdotUnavailable("cannot build the batch-invariant product: g++ said: no"),
+    [library.NativeUnavailable("cannot build the native library: g++ said: no"),
      InvalidCxxCompiler(),  # what torch raises where it finds no compiler at all
      CacheUnusable("/cache/compiled is not a folder"), OSError("cannot open shared object file")],
 )  # fmt: skip
@@ -141,13 +141,13 @@ def test_without_the_library_the_records_are_torchs_and_the_build_is_tried_once(
         builds.append(1)
         raise failure
 
-    monkeypatch.setattr(rowdot, "library", failing_library)
-    rowdot.scores_library.cache_clear()
+    monkeypatch.setattr(library, "library", failing_library)
+    library.usable_library.cache_clear()
     try:
         first, second = records(token_scores(logits, tokens, 5)), records(token_scores(logits, tokens, 5))
         assert builds == [1] and first == second
     finally:
-        rowdot.scores_library.cache_clear()
+        library.usable_library.cache_clear()
     said = capsys.readouterr().err.splitlines()  # why, once
     assert len(said) == 1 and said[0].endswith("log-probabilities are scored through torch"), said
     for ours, torchs in zip(with_library, first, strict=True):
