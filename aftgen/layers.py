@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aftgen.native.library import NativeUnavailable, library
+from aftgen.native.library import decided
 from aftgen.native.matmul_rows import matmul_rows
 
 KERNELS, WRITTEN, ROWS_APART = "kernels", "written out", "rows apart"  # how `linear` multiplies (_products)
@@ -77,11 +77,9 @@ def batch_invariant(asked: bool | None, device: torch.device, compiled: bool) ->
         return Invariance(False, "a GPU's step is batch-invariant only when asked (--batch-invariant)")
     if not compiled:
         return Invariance(False, "the eager step is batch-invariant only when asked (--batch-invariant)")
-    try:
-        library()  # built and loaded now: where it cannot be, the step is the matrix kernels', not rows apart
-    except (NativeUnavailable, OSError) as exc:
-        print(f"warning: {exc}: the step is not batch-invariant", file=sys.stderr, flush=True)
-        return Invariance(False, str(exc))
+    _, native = decided()  # built and loaded now: where it cannot be, the step is the matrix kernels', not rows apart
+    if not native.usable:  # said in one line (aftgen.compiled.availability)
+        return Invariance(False, native.reason)
     return Invariance(True, by_default=True)
 
 

@@ -69,6 +69,16 @@ def on_device(value):
 
 
 @pytest.fixture(autouse=True)
+def _no_fallbacks_yet(monkeypatch):
+    """Each test starts with no fallback recorded or said: aftgen.compiled.availability keeps them for the process,
+    and a test that forces one would otherwise show it in the next test's /health figures and stderr."""
+    from aftgen.compiled import availability
+
+    monkeypatch.setattr(availability, "_verdicts", {})
+    monkeypatch.setattr(availability, "_said", set())
+
+
+@pytest.fixture(autouse=True)
 def _exact_matmuls():
     """Full fp32 matmuls on a GPU: training turns TF32 on (aftgen.device.resolve), and the tests compare
     forms of the model to 1e-5, which TF32's 10-bit mantissa cannot hold."""

@@ -16,19 +16,26 @@ def refused():
 
 def test_batch_invariance_by_default_where_the_native_library_serves_a_compiled_cpu_step(monkeypatch, capsys):
     """Whatever the CPU's units and the weights' dtype (not asked): on by default for a compiled CPU step, to be
-    timed; off on a GPU, for the eager step, and where the native library cannot be built; as asked where asked."""
+    timed; off on a GPU, for the eager step, and where the native library cannot be built (said once, in its
+    line); as asked where asked."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(layers, "library", lambda: None)
+    monkeypatch.setattr(library, "library", lambda: None)
+    library.decided.cache_clear()
     assert layers.batch_invariant(None, cpu, True) == layers.Invariance(True, by_default=True)
     assert not layers.batch_invariant(None, cpu, False).on and not layers.batch_invariant(None, gpu, True).on
     assert layers.batch_invariant(True, gpu, False) == layers.Invariance(True)
     assert layers.batch_invariant(False, cpu, True) == layers.Invariance(False, "--no-batch-invariant")
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(layers, "library", refused)
-    assert not layers.batch_invariant(None, cpu, True).on
-    lines = capsys.readouterr().err.splitlines()
-    assert lines == ["warning: cannot build the native library: g++ said: no: the step is not batch-invariant"]
-    assert layers.batch_invariant(True, cpu, True).on  # asked for: it is, or compiling it says why not
+    monkeypatch.setattr(library, "library", refused)
+    library.decided.cache_clear()
+    try:
+        why = "NativeUnavailable: cannot build the native library: g++ said: no"
+        assert layers.batch_invariant(None, cpu, True) == layers.Invariance(False, why)
+        lines = capsys.readouterr().err.splitlines()
+        assert lines == [f"warning: aftgen's native library cannot be used here ({why}): {library.WITHOUT}"]
+        assert layers.batch_invariant(True, cpu, True).on  # asked for: it is, or compiling it says why not
+    finally:
+        library.decided.cache_clear()
 
 
 def test_the_default_stays_on_unless_timed_over_a_tenth_slower(capsys):

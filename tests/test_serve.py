@@ -728,10 +728,15 @@ def test_extreme_sampling_settings_stop_no_other_stream(url):
 def test_a_step_that_cannot_be_compiled_runs_eagerly_with_one_line_on_stderr(tiny_run, monkeypatch, capsys):
     model, _ = load(tiny_run, device=DEVICE)
     note = "eager (compiling the step failed: RuntimeError: no C++ compiler)"
-    monkeypatch.setattr(batch_module, "compile_step", lambda model, rows, batch_invariant: (model.step, note))
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr("aftgen.compiled.step._compiled_step", no_compiler)
     step = CompiledBatchStep(model, 4, resolve(DEVICE, "fp32"))
     assert step.step == model.step
-    assert capsys.readouterr().err.splitlines() == [f"aftgen serve: the batched step: {note}"]
+    said = "the compiled step cannot be used here (RuntimeError: no C++ compiler): the eager step runs"
+    assert capsys.readouterr().err.splitlines() == [f"warning: {said}"]
     assert step.figures() == {"step": "eager", "batch_invariant": False, "step_note": note}
 
 

@@ -8,7 +8,6 @@ time of the model's own matrix-vector products alone, measured in the same run.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -88,24 +87,17 @@ def bench_generate(
 
 
 def _compiled(model: AFTLM, row) -> tuple[Callable, Callable]:
-    """The compiled step and chunk reader, their warm-up times reported (once per process)."""
+    """The compiled step and chunk reader, their warm-up times reported (once per process); one that cannot be
+    compiled is said on stderr (aftgen.compiled.availability): every figure after it is the eager one's."""
     started = time.perf_counter()
     step, note = compile_step(model)
     label = "compile warm-up of the step (once per process, not in latencies)"
-    row(label, time.perf_counter() - started, "s", note=_said_if_eager("the step", note))
+    row(label, time.perf_counter() - started, "s", note=note)
     started = time.perf_counter()
     reader, note = compile_prefill(model, PROMPT_CHUNK)
     label = f"compile warm-up of the {PROMPT_CHUNK}-token chunk reader (once per process)"
-    row(label, time.perf_counter() - started, "s", note=_said_if_eager("the chunk reader", note))
+    row(label, time.perf_counter() - started, "s", note=note)
     return step, reader
-
-
-def _said_if_eager(what: str, note: str) -> str:
-    """`note`, said in one line on stderr too where `what` could not be compiled: every figure after it is the
-    eager one's."""
-    if note.startswith("eager"):
-        print(f"warning: {what} is not compiled: {note}", file=sys.stderr, flush=True)
-    return note
 
 
 def _time_side_by_side(model: AFTLM, step: Callable, reader: Callable, contexts: tuple[int, ...]) -> dict:

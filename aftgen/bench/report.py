@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 
 from aftgen.bench.targets import SUBJECT, Row
+from aftgen.compiled.availability import fallbacks
 from aftgen.errors import AftgenError
 from aftgen.files import atomic_write
 
 
 def print_rows(rows: list[Row], as_json: bool) -> None:
-    """One JSON object per line, or an aligned table, on stdout."""
+    """One JSON object per line, or an aligned table, on stdout; under the table, what fell back from a compiled or
+    native path in this run."""
     if as_json:
         for item in rows:
             print(json.dumps(item))
@@ -26,6 +28,8 @@ def print_rows(rows: list[Row], as_json: bool) -> None:
         note = f"  ({item['note']})" if item.get("note") else ""
         label = item["measure"] + (f" [{where}]" if where else "")
         print(f"{label:<62} {item['value']:>12,.4g} {item['unit']:<9}{verdict}{note}")
+    for fallback in fallbacks():  # what these figures ran instead of the compiled or native path
+        print(f"fallback: {fallback.line()}")
     sys.stdout.flush()
 
 

@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 from aftgen.compiled.aoti import PackageRunner, UnlockedRunner
+from aftgen.compiled.availability import STEP, decide
 from aftgen.compiled.cache import cached_package, compiled_folder, use_persistent_compile_cache
-from aftgen.compiled.functions import failure_line
 from aftgen.files import atomic_open, own_source
 from aftgen.layers import ROWS_APART, WRITTEN, invariant_products, written_products
 from aftgen.model import AFTLM, ModelState, StepFunction
@@ -118,10 +118,11 @@ def compile_step(model: AFTLM, max_batch: int = 1, batch_invariant: bool = False
     inside the autocast the step will run in (Placement.autocast()): the compiled step keeps its dtypes.
     """
     start = time.perf_counter()
-    try:
-        step, origin = _compiled_step(model, max_batch, batch_invariant)
-    except Exception as exc:  # no C++ compiler, a device or op the exporter cannot handle: eager always works
-        return model.step, f"eager (compiling the step failed: {failure_line(exc)})"
+    # no C++ compiler, a device or op the exporter cannot handle: eager always works, and one line says why
+    made, verdict = decide(STEP, lambda: _compiled_step(model, max_batch, batch_invariant), "the eager step runs")
+    if made is None:
+        return model.step, f"eager (compiling the step failed: {verdict.reason})"
+    step, origin = made
     return step, f"compiled{origin} in {time.perf_counter() - start:.1f} s"
 
 

@@ -16,11 +16,11 @@ import os
 import platform
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
+from aftgen.compiled.availability import NATIVE, Verdict, decide
 from aftgen.compiled.cache import cached_library, compiled_folder
 from aftgen.errors import AftgenError
 from aftgen.files import own_source, shown
@@ -30,6 +30,8 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("matmul_rows.cpp", "
 # figure changes: it only lets floating-point exceptions, which nothing here reads, go unraised).
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math"]
 BUILD_TIMEOUT = 300  # seconds: a compiler that hangs is not waited for
+# What runs where the library cannot be had (usable_library)
+WITHOUT = "log-probabilities are scored through torch and shown in Python, and the step is not batch-invariant"
 
 
 class NativeUnavailable(AftgenError):
@@ -119,13 +121,15 @@ def _run(command: list[str]) -> tuple[int, str]:
 
 
 @functools.cache
+def decided() -> tuple[ctypes.CDLL | None, Verdict]:
+    """The library, or None where it cannot be built or loaded here (no compiler, a build that failed, a cache folder
+    that cannot be used), and the verdict: decided once (aftgen.compiled.availability: said in one line, kept for
+    the reports), as a step must not wait on a compiler that failed, and a request's scores must not fail where
+    torch.topk can give them."""
+    # torch's InvalidCxxCompiler (no compiler) is a RuntimeError
+    return decide(NATIVE, library, WITHOUT, failures=(AftgenError, OSError, RuntimeError))
+
+
 def usable_library() -> ctypes.CDLL | None:
-    """The library, or None where it cannot be built or loaded here (no compiler, a build that failed,
-    a cache folder that cannot be used), said once in one line: asked once, as a step must not wait on a compiler
-    that failed, and a request's scores must not fail where torch.topk can give them."""
-    try:
-        return library()
-    except (AftgenError, OSError, RuntimeError) as exc:  # torch's InvalidCxxCompiler (no compiler) is a RuntimeError
-        print(f"warning: {exc or type(exc).__name__}: log-probabilities are scored through torch", file=sys.stderr,
-              flush=True)  # fmt: skip
-        return None
+    """The library, or None where it cannot be had here (`decided`)."""
+    return decided()[0]

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from aftgen.compiled.availability import with_fallbacks
 from aftgen.serve import tokenizing
 from aftgen.serve.batch import COMPILING
 from aftgen.serve.remote import EngineUnavailable
@@ -187,7 +188,7 @@ class Server:
             self.authorize(request)
         except APIError:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "ok", "model": self.model_name} | figures)
+        return JSONResponse({"status": "ok", "model": self.model_name} | with_fallbacks(figures))
 
     async def controls(self, request: Request) -> JSONResponse:
         """The sampling fields' types, ranges and defaults, for anyone (the playground reads them before its key)."""

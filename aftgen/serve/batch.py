@@ -169,8 +169,7 @@ class CompiledBatchStep:
             step, note = compile_step(self.model, rows, self.batch_invariant)
             if step != self.model.step and self.invariance.by_default:
                 step = self._timed(step, rows)
-        if step == self.model.step:  # bound methods: equal, never the same object
-            say(f"the batched step: {note}")
+        if step == self.model.step:  # bound methods: equal, never the same object; compile_step said why
             self.fallback = note
         else:
             self.step = step

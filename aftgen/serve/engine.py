@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from aftgen import cores
+from aftgen.compiled.availability import with_fallbacks
 from aftgen.constraints import ConstraintBroken
 from aftgen.device import Placement
 from aftgen.generation.drawing import ScoresNotFinite, new_generator
@@ -169,7 +170,7 @@ class Engine:
             "session_files": len(self.sessions.on_disk),
             "state_bytes": self.state_bytes,
             "threads": torch.get_num_threads(),
-        } | self.step_figures()
+        } | with_fallbacks(self.step_figures())
 
     def step_figures(self) -> dict:
         """Which step serves (batch.COMPILING while it is not ready), whether it is batch-invariant, and why it is

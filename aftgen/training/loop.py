@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from aftgen import cores, curves, distributed, evaluate
 from aftgen.checkpoint import TOKENIZER, WEIGHTS, read_weights
-from aftgen.compiled.functions import Compiled
+from aftgen.compiled.functions import TRAINING_STEP, Compiled
 from aftgen.corpus import PreparedCorpus, prepare_corpus
 from aftgen.device import Placement, resolve
 from aftgen.distributed import World
@@ -207,9 +207,7 @@ class Run:
         options, training, world = self.plan.options, self.training, self.world
         trainer = world.wrap(training.model)
         if options.compile:
-            trainer = Compiled(
-                trainer, lambda why: self.reporter.log(f"warning: --compile failed ({why}); running eagerly")
-            )
+            trainer = Compiled(trainer, TRAINING_STEP)  # where it cannot be compiled, one line says why
         # fp16 needs loss scaling so small gradients do not flush to zero; bf16 and fp32 do not.
         scaler = torch.amp.GradScaler(self.placement.device.type, enabled=self.placement.dtype == torch.float16)
         clock, meter, stopped_by = Clock(options, training.elapsed), Meter(), None

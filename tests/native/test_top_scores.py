@@ -142,14 +142,14 @@ def test_without_the_library_the_records_are_torchs_and_the_build_is_tried_once(
         raise failure
 
     monkeypatch.setattr(library, "library", failing_library)
-    library.usable_library.cache_clear()
+    library.decided.cache_clear()
     try:
         first, second = records(token_scores(logits, tokens, 5)), records(token_scores(logits, tokens, 5))
         assert builds == [1] and first == second
     finally:
-        library.usable_library.cache_clear()
+        library.decided.cache_clear()
     said = capsys.readouterr().err.splitlines()  # why, once
-    assert len(said) == 1 and said[0].endswith("log-probabilities are scored through torch"), said
+    assert len(said) == 1 and said[0].endswith(library.WITHOUT), said
     for ours, torchs in zip(with_library, first, strict=True):
         assert ours[:3:2] == torchs[:3:2]  # the token and its alternatives' ids
         assert ours[1] == pytest.approx(torchs[1]) and ours[3] == pytest.approx(torchs[3])
