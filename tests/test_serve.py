@@ -57,7 +57,6 @@ from aftgen.generation.controls import SamplingOptions
 from aftgen.generation.loop import generate
 from aftgen.generation.prompt import read_prompt
 from aftgen.model import AFTLM, AFTConfig, clone_state
-from aftgen.serve import batch as batch_module
 from aftgen.serve.app import Server
 from aftgen.serve.batch import Batch, CompiledBatchStep
 from aftgen.serve.engine import Engine
