@@ -14,7 +14,7 @@ from aftgen.bench.report import print_rows
 from aftgen.compiled.functions import compile_prefill
 from aftgen.compiled.step import compile_step
 from aftgen.device import resolve
-from aftgen.generation.scores import read_score, token_scores
+from aftgen.generation.scores import read_scores, token_scores
 from aftgen.model import AFTLM, AFTConfig
 from aftgen.native import library, scores_json, top_scores
 from aftgen.serve.batch import CompiledBatchStep
@@ -54,7 +54,7 @@ def test_a_native_library_that_will_not_build_is_said_once_and_each_use_falls_ba
     assert top_scores.top_scores(logits, tokens, 5) is None and scores_json.scores_json(["a"], ["b"]) is None
     why = "NativeUnavailable: cannot build the native library: false said: no message"
     assert invariance == layers.Invariance(False, why)  # the matrix kernels' step, and why
-    _, ids, _ = read_score(token_scores(logits, tokens, 5)[0][1], 5)  # torch's scores
+    _, ids, _ = read_scores(token_scores(logits, tokens, 5)[0][1], 5)  # torch's scores
     assert list(ids) == logits.log_softmax(-1)[0].topk(5).indices.tolist()
     line = f"aftgen's native library cannot be used here ({why}): {library.WITHOUT}"
     assert capsys.readouterr().err.splitlines() == [f"warning: {line}"]  # once, for every use
