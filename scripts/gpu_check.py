@@ -77,7 +77,8 @@ class Sizes:
                 bench_train=["--lengths", "64", "--mixers", "aft_local", "--repeats", "1"],
                 kernel=["64", "tiny", "128", "1"],
                 bench_generate=["--preset", "tiny", "--contexts", "600,1200", "--tokens", "1500"],
-                serve=["--tokens", "16", "--rounds", "1"],
+                # batch invariance set, not judged at the server's start: one step to compile, not two to time
+                serve=["--tokens", "16", "--rounds", "1", "--batch-invariant"],
             )
         return cls(
             # The model-heavy files first: with -x, a failure elsewhere then stops the suite after them.
