@@ -45,6 +45,7 @@ MODEL_TESTS = (
     "generation",
     "training/test_loop.py",
     "test_serve.py",
+    "serve",
     "test_cli.py",
     "cli/test_generate.py",
     "bench/test_mixers.py",

@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,16 @@ def train_tiny(corpus: Path, out: Path, on_eval=None, **changes) -> Path:
 def tiny_run(tmp_path_factory, corpus) -> Path:
     """A tiny model trained for a few steps: enough to exercise every code path quickly."""
     return train_tiny(corpus, tmp_path_factory.mktemp("runs") / "tiny", max_steps=40, eval_interval=20)
+
+
+@pytest.fixture(scope="module")
+def url(tiny_run) -> Iterator[str]:
+    """The module's server; when it stops, its engine's process is gone too (where /proc tells)."""
+    from serving import engine_processes, running, wait_for
+
+    tracked = Path("/proc/self/task").exists()
+    before = set(engine_processes()) if tracked else set()
+    with running(tiny_run) as base:
+        children = set(engine_processes()) - before if tracked else set()
+        yield base
+    wait_for(lambda: not children & set(engine_processes() if tracked else []))

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from serving import LONG, assert_openai_error, post
 from starlette.testclient import TestClient
 
 from aftgen.api import load
@@ -23,8 +24,9 @@ from aftgen.generation.controls import CONTROLS, GREEDY_BELOW, Control, Sampling
 from aftgen.serve.app import Server
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
-from aftgen.serve.schema import IGNORED, NEUTRAL, sampling_fields
+from aftgen.serve.schema import IGNORED, NEUTRAL, APIError, parse_request, sampling_fields
 from aftgen.serve.work import Done, Failed, Finished, Text, Work
+from aftgen.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
@@ -127,7 +129,7 @@ def bodies(draw, chat: bool) -> object:
     return {name: value(draw, name) for name in required + names}
 
 
-def assert_openai_error(response: httpx.Response) -> None:
+def assert_openai_shape(response: httpx.Response) -> None:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str)
 
@@ -142,7 +144,7 @@ def test_random_json_never_gets_a_500_and_errors_keep_openai_shape(http, data, c
     event(f"status {response.status_code}")  # --hypothesis-show-statistics: how many got how far
     assert response.status_code < 500, response.text
     if response.status_code != 200:
-        assert_openai_error(response)
+        assert_openai_shape(response)
     elif response.headers["content-type"].startswith("text/event-stream"):
         sent = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
         assert sent[-1] == "[DONE]"
@@ -201,3 +203,72 @@ def edge_settings(draw) -> dict:
 def test_sampling_settings_at_their_edges_finish_and_leave_the_row_beside_them_alone(beside, edge_rows, seed):
     engine, alone = beside
     assert texts(engine, [BESIDE, *[each | {"seed": seed} for each in edge_rows]])[0] == alone
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": LONG + 1}, "max_tokens"),
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"seed": -1}, "seed"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 1}, "min_p"),
+        ({"repeat_penalty": 0}, "repeat_penalty"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"session": "../etc"}, "session"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"prompt": "KING " * 400}, "prompt"),
+    ],
+)
+def test_bad_fields_get_400_in_openai_shape(url, fields, param):
+    assert_openai_error(post(url, "/v1/completions", json={"prompt": "x"} | fields), 400, param)
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "KING\ud800"}, "prompt"),
+        ("/v1/completions", {"prompt": ["\udfff"]}, "prompt[0]"),
+        ("/v1/completions", {"prompt": "x", "model": "\ud800"}, "model"),
+        ("/v1/completions", {"prompt": "x", "stop": ["a", "\ud800"]}, "stop[1]"),
+        ("/v1/completions", {"prompt": "x", "\ud800": 1}, "\\ud800"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udbff"}]}]},
+            "messages[0].content[0].text",
+        ),  # fmt: skip
+    ],
+)
+def test_text_that_is_not_unicode_gets_400_naming_its_field(url, path, body, param):
+    """JSON can spell a lone surrogate ("\\ud800"); UTF-8, the tokenizer and the error answer cannot."""
+    error = assert_openai_error(post(url, path, content=json.dumps(body).encode()), 400, param)
+    assert "surrogate" in error["message"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_prompt_whose_bytes_cannot_fit_is_refused_before_it_is_tokenized(tiny_run, monkeypatch, chat):
+    """A 900 KB prompt is refused from its length in bytes (no token stands for more than the longest
+    piece); one near the limit is still tokenized and checked in tokens."""
+    _, tokenizer = load(tiny_run)
+    options = ServeOptions(max_prompt_tokens=300)
+
+    def body(text: str) -> dict:
+        return {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+
+    near = "KING " * 400  # 2,000 bytes: a few hundred tokens, so its bytes alone cannot tell
+    assert len(near) // tokenizer.longest_piece < 300
+    with pytest.raises(APIError, match="the prompt is \\d+ tokens"):
+        parse_request(body(near), chat, options, tokenizer, "tiny")
+    encoded = []
+    monkeypatch.setattr(Tokenizer, "encode", lambda self, text: encoded.append(len(text)) or [])
+    with pytest.raises(APIError, match="the prompt is at least \\d+ tokens") as refused:
+        parse_request(body("KING " * 180_000), chat, options, tokenizer, "tiny")
+    assert encoded == [] and refused.value.code == "context_length_exceeded"
+    assert refused.value.param == ("messages" if chat else "prompt")
