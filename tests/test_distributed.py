@@ -15,8 +15,7 @@ from safetensors.torch import load_file
 from aftgen.api import load
 from aftgen.checkpoint import load_checkpoint, save_checkpoint
 from aftgen.compiled.functions import TRAINING_STEP, Compiled
-from aftgen.device import Placement, resolve
-from aftgen.errors import AftgenError
+from aftgen.device import Placement
 from aftgen.mixers import AFTMixer
 from aftgen.training.batches import batch
 from aftgen.training.loop import train
@@ -165,29 +164,6 @@ def test_checkpoints_load_onto_a_chosen_device_in_fp32(tmp_path, tiny_run):
     auto, _ = load(tiny_run, device="auto")
     state = auto.initial_state(2)  # recurrent state follows the model's device
     assert {t.device for layer in state for t in layer.values()} == {next(auto.parameters()).device}
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
-def test_missing_device_is_a_clear_error(tiny_run):
-    with pytest.raises(AftgenError, match="no CUDA GPU"):
-        load(tiny_run, device="cuda")
-    with pytest.raises(AftgenError, match="unknown --device"):
-        resolve("tpu")
-    with pytest.raises(AftgenError, match="unknown --dtype"):
-        resolve("cpu", "fp8")
-
-
-def test_generating_on_a_cpu_bf16_stores_the_weights_lower_instead_of_autocasting(monkeypatch):
-    import aftgen.device
-
-    assert resolve("cpu", "bf16", generating=True) == Placement(torch.device("cpu"), weights=torch.bfloat16)
-    assert resolve("cpu", "bf16") == Placement(torch.device("cpu"), torch.bfloat16)  # training autocasts
-    assert resolve("cpu", "fp32", generating=True) == Placement(torch.device("cpu"))
-    for has_bf16 in (True, False):
-        monkeypatch.setattr(aftgen.device, "cpu_has_bf16", lambda has_bf16=has_bf16: has_bf16)
-        auto = resolve("cpu", "auto", generating=True)
-        assert auto.weights == (torch.bfloat16 if has_bf16 else torch.float32) and auto.dtype == torch.float32
-    assert "bf16 weights" in resolve("cpu", "bf16", generating=True).describe()
 
 
 def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch, capsys):

@@ -6,7 +6,6 @@ import errno
 import io
 import json
 import os
-import platform
 import random
 import re
 import shutil
@@ -22,28 +21,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from bad_input import JSON, _retensor, assert_one_error, invoke
 from conftest import DEVICE, make_corpus, train_tiny
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
 import aftgen
 from aftgen.checkpoint import (
     CHECKPOINT_FILES,
-    CONFIG,
-    TOKENIZER,
     WEIGHTS,
     load_checkpoint,
-    read_config,
 )
-from aftgen.cli import app
 from aftgen.errors import AftgenError
 from aftgen.model import MAX_PARAMETERS, AFTConfig
 from aftgen.record import TRAINING_INFO, TRAINING_STATE
 from aftgen.training.loop import TrainingInterrupted
 
-runner = CliRunner()
 SOURCE = Path(aftgen.__file__).parent
 
 
@@ -292,32 +286,6 @@ def test_a_failed_save_never_repeats_a_held_out_check(tmp_path, corpus, tiny_run
     assert metric_steps(out) == [2, 4, 6, 8]
 
 
-def test_a_folder_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path):
-    from aftgen.files import LOCK, locked_folder
-
-    folder, warnings = tmp_path / "run", []
-    folder.mkdir()
-    (folder / LOCK).write_text("4242\n")  # left by a process killed while it wrote the folder
-    with locked_folder(folder, warnings.append):
-        assert warnings == [
-            f"warning: {folder} was locked by process 4242, which ended without unlocking it; taking over"
-        ]
-        assert (folder / LOCK).read_text() == f"{os.getpid()}\n"
-        with pytest.raises(
-            AftgenError, match=rf"{folder} is being written by another aftgen process \(PID {os.getpid()}\)"
-        ):
-            with locked_folder(folder, warnings.append):
-                pytest.fail("a second writer got in")
-        assert (folder / LOCK).read_text() == f"{os.getpid()}\n"  # the refused one left the lock alone
-    assert not (folder / LOCK).exists()
-    with locked_folder(folder, warnings.append):
-        pass
-    assert len(warnings) == 1 and folder.is_dir()  # a lock removed at exit is no dead writer's
-    with locked_folder(tmp_path / "new", warnings.append):
-        assert (tmp_path / "new").is_dir()
-    assert not (tmp_path / "new").exists()  # created for work that never wrote anything
-
-
 def test_two_trainers_into_one_folder_one_is_refused(tmp_path, corpus, tiny_run, capsys):
     from aftgen.files import LOCK
 
@@ -343,18 +311,6 @@ def test_two_trainers_into_one_folder_one_is_refused(tmp_path, corpus, tiny_run,
 
 
 # --- Bad input: exit code 2, one error line, no traceback ------------------------------------------
-
-
-def invoke(*args: str):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def assert_one_error(result, message: str) -> None:
-    """Exit 2, no exception escaped (no traceback), exactly one `error:` line, which says `message`."""
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and re.search(message, lines[0]), result.stderr
 
 
 def write_bad_corpora(folder: Path) -> None:
@@ -478,76 +434,6 @@ def test_non_utf8_corpus_has_a_way_out(tmp_path, way_out):
     assert result.exit_code == 0, result.output
 
 
-def _edit_json(name: str, change):
-    def edit(folder: Path) -> None:
-        data = json.loads((folder / name).read_text())
-        (folder / name).write_text(json.dumps(change(data)))
-
-    return edit
-
-
-def _write(name: str, content):
-    def edit(folder: Path) -> None:
-        (folder / name).write_bytes(content(folder / name) if callable(content) else content)
-
-    return edit
-
-
-def _retensor(change):
-    def edit(folder: Path) -> None:
-        save_file(change(load_file(folder / WEIGHTS)), folder / WEIGHTS)
-
-    return edit
-
-
-def _flip_header(path: Path) -> bytes:
-    data = bytearray(path.read_bytes())
-    data[20:40] = b"\xff" * 20
-    return bytes(data)
-
-
-GPT2_CONFIG = {
-    "model_type": "gpt2",
-    "architectures": ["GPT2LMHeadModel"],
-    "n_layer": 12,
-    "n_embd": 768,
-    "vocab_size": 50257,
-}
-CHECKPOINT_CASES = {
-    "no weights": (lambda f: (f / WEIGHTS).unlink(), "missing model.safetensors"),
-    "no tokenizer": (lambda f: (f / TOKENIZER).unlink(), "missing tokenizer.model"),
-    "no config": (lambda f: (f / CONFIG).unlink(), "not an aftgen checkpoint"),
-    "truncated weights": (_write(WEIGHTS, lambda p: p.read_bytes()[: p.stat().st_size // 2]), "truncated or corrupt"),
-    "corrupt weights header": (_write(WEIGHTS, _flip_header), "truncated or corrupt"),
-    "empty weights": (_write(WEIGHTS, b""), "truncated or corrupt"),
-    "misshapen tensor": (
-        _retensor(lambda t: t | {"embed.weight": t["embed.weight"][:, :16].contiguous()}),
-        "config.json needs",
-    ),
-    "extra tensor": (_retensor(lambda t: t | {"lm_head.weight": t["embed.weight"].clone()}), "unexpected"),
-    "missing tensor": (_retensor(lambda t: {k: v for k, v in t.items() if k != "ln_out.bias"}), "missing"),
-    "integer tensor": (_retensor(lambda t: t | {"ln_out.bias": t["ln_out.bias"].int()}), "torch.int32"),
-    "NaN weights": (_retensor(lambda t: t | {"ln_out.bias": t["ln_out.bias"] * float("nan")}), "NaN or inf"),
-    "config not JSON": (_write(CONFIG, b"{not json"), "not valid JSON"),
-    "config not UTF-8": (_write(CONFIG, b"\xff\xfe{}"), "not valid JSON"),
-    "config deeply nested": (_write(CONFIG, b"[" * 100_000), "not valid JSON"),
-    "config 5000-digit number": (_write(CONFIG, b'{"vocab_size": 1' + b"0" * 5000 + b"}"), "not valid JSON"),
-    "config a list": (_write(CONFIG, b"[1, 2]"), "must hold a JSON object"),
-    "config wrong type": (_edit_json(CONFIG, lambda c: c | {"n_layer": "2"}), "'n_layer' must be int"),
-    "config bool for int": (_edit_json(CONFIG, lambda c: c | {"n_head": True}), "'n_head' must be int"),
-    "config unknown key": (_edit_json(CONFIG, lambda c: c | {"rope_theta": 10000}), "unknown keys: rope_theta"),
-    "config from GPT-2": (_write(CONFIG, json.dumps(GPT2_CONFIG).encode()), "model_type is 'gpt2'"),
-    "config newer format": (
-        _edit_json(CONFIG, lambda c: c | {"format_version": 99}),
-        "format_version 99 is not supported",
-    ),
-    "config absurd size": (_edit_json(CONFIG, lambda c: c | {"n_embd": 10**12}), "must be at most"),
-    "config vocab mismatch": (_edit_json(CONFIG, lambda c: c | {"vocab_size": c["vocab_size"] + 1}), "tokenizer has"),
-    "tokenizer garbage": (_write(TOKENIZER, b"\x08\x96\x01 definitely not sentencepiece"), "not a valid SentencePiece"),
-    "tokenizer truncated": (_write(TOKENIZER, lambda p: p.read_bytes()[:100]), "not a valid SentencePiece"),
-}
-
-
 def _with_metrics_row(row: dict):
     def damage(out: Path) -> None:
         with open(out / "metrics.jsonl", "a") as metrics:
@@ -591,35 +477,6 @@ def test_damaged_run_records_on_resume_are_one_error(tmp_path, corpus, tiny_run,
     shutil.copytree(tiny_run, out)
     damage(out)
     assert_one_error(invoke("train", corpus, "--out", out, "--resume", "--threads", "1"), message)
-
-
-@pytest.mark.parametrize("case", CHECKPOINT_CASES)
-def test_bad_checkpoint(tmp_path, tiny_run, case):
-    folder = tmp_path / "model"
-    shutil.copytree(tiny_run, folder)
-    edit, message = CHECKPOINT_CASES[case]
-    edit(folder)
-    assert_one_error(invoke("sample", "--model", folder, "--prompt", "KING:", "-n", "4"), message)
-
-
-def test_config_bigger_than_its_weights_is_refused_without_allocating(tmp_path, tiny_run):
-    """200 layers of width 1024 would take 10 GB; the model is built on the meta device, checked, refused."""
-    shutil.copytree(tiny_run, tmp_path / "model")
-    _edit_json(CONFIG, lambda c: c | {"n_layer": 200, "n_embd": 1024, "n_head": 2})(tmp_path / "model")
-    with pytest.raises(AftgenError, match="weights do not match config.json"):
-        load_checkpoint(tmp_path / "model")
-
-
-def test_tokenizer_from_another_model_is_refused(tmp_path, tiny_run):
-    from aftgen.tokenizer import train_tokenizer
-
-    shutil.copytree(tiny_run, tmp_path / "model")
-    other = train_tokenizer(make_corpus(20_000, seed=9), 300, log=lambda _: None)
-    (tmp_path / "model" / TOKENIZER).write_bytes(other.model_proto)
-    assert_one_error(
-        invoke("sample", "--model", tmp_path / "model", "--prompt", "x"),
-        r"tokenizer has \d+ pieces but config.json says vocab_size \d+",
-    )
 
 
 def test_internal_error_is_one_line_and_a_log(tmp_path, tiny_run, monkeypatch):
@@ -689,11 +546,6 @@ def test_the_unsafe_pattern_scan_can_fail():
 
 
 FIELD_NAMES = [f.name for f in fields(AFTConfig)]
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=10,
-)
 NEAR_VALID = st.fixed_dictionaries(
     {"vocab_size": st.integers(1, 2**70) | JSON},
     optional={
@@ -711,54 +563,6 @@ def test_config_validation_on_arbitrary_json(data):
         return
     assert AFTConfig.from_dict(config.to_dict()) == config
     assert config.approximate_parameters() <= MAX_PARAMETERS
-
-
-@pytest.fixture(scope="module")
-def scratch_checkpoint(tmp_path_factory, tiny_run) -> Path:
-    folder = tmp_path_factory.mktemp("damaged") / "model"
-    shutil.copytree(tiny_run, folder)
-    return folder
-
-
-def damaged(original: bytes) -> st.SearchStrategy[bytes]:
-    """Truncations, a few overwritten bytes (often in the header) and plain random bytes."""
-    where = st.integers(0, len(original) - 1) | st.integers(0, min(len(original) - 1, 400))
-    edits = st.lists(st.tuples(where, st.integers(0, 255)), min_size=1, max_size=8)
-
-    def apply(changes):
-        data = bytearray(original)
-        for index, value in changes:
-            data[index] = value
-        return bytes(data)
-
-    return st.integers(0, len(original) - 1).map(lambda n: original[:n]) | edits.map(apply) | st.binary(max_size=600)
-
-
-@pytest.mark.parametrize("name", [CONFIG, WEIGHTS, TOKENIZER])
-@settings(max_examples=60, deadline=None)
-@given(data=st.data())
-def test_checkpoint_loader_on_damaged_files(scratch_checkpoint, tiny_run, name, data):
-    original = (tiny_run / name).read_bytes()
-    (scratch_checkpoint / name).write_bytes(data.draw(damaged(original)))
-    try:
-        model, tokenizer = load_checkpoint(scratch_checkpoint)
-    except AftgenError:
-        return
-    finally:
-        (scratch_checkpoint / name).write_bytes(original)
-    ids = torch.tensor([[tokenizer.bos_id, *tokenizer.encode("KING: fair")]])
-    assert model(ids).shape == (1, ids.shape[1], model.config.vocab_size)
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.binary(max_size=300) | st.text(max_size=200).map(str.encode) | JSON.map(lambda v: json.dumps(v).encode()))
-def test_read_config_on_arbitrary_bytes(content):
-    with tempfile.TemporaryDirectory() as folder:
-        (Path(folder) / CONFIG).write_bytes(content)
-        try:
-            read_config(folder)
-        except AftgenError:
-            pass
 
 
 def _socket(path: Path) -> None:
@@ -800,55 +604,6 @@ def test_every_writer_refuses_a_fifo(tmp_path, corpus, tiny_run):
     if curves.available():
         assert_one_error(invoke("plot", tiny_run, "--out", fifo), refused)
     assert fifo.exists() and not fifo.is_file()
-
-
-def test_atomic_writes_get_the_permissions_a_plain_open_would(tmp_path):
-    from aftgen.files import atomic_write
-
-    umask = os.umask(0o022)
-    try:
-        atomic_write(tmp_path / "new.json", "{}")
-        assert (tmp_path / "new.json").stat().st_mode & 0o777 == 0o644  # not mkstemp's 0600
-        os.chmod(tmp_path / "new.json", 0o640)
-        atomic_write(tmp_path / "new.json", "[]")  # replacing keeps the file's own permissions
-        assert (tmp_path / "new.json").stat().st_mode & 0o777 == 0o640
-    finally:
-        os.umask(umask)
-
-
-READ_CHUNKS = """
-import json, resource, sys, torch
-from aftgen.bench.measure import memory_mb
-from aftgen.device import reuse_freed_memory
-from aftgen.model import AFTLM, AFTConfig
-if sys.argv[1] == "reuse":
-    assert reuse_freed_memory()
-torch.manual_seed(0)
-model = AFTLM(AFTConfig(vocab_size=256, n_layer=2, n_embd=64, n_head=2, window=16, context_length=64)).eval()
-ids, state, faults = torch.randint(0, 256, (1, 1024)), model.initial_state(1), []
-with torch.inference_mode():
-    for _ in range(12):  # 1024-token chunks, as prompts are read: megabytes of intermediates each
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        _, state = model.prefill(ids, state, last_only=True)
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps({"faults": sum(faults[4:]), "peak": memory_mb()[1]}))
-"""
-
-
-@pytest.mark.cpu
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
-def test_reading_chunks_reuses_freed_memory_instead_of_faulting_in_fresh_pages():
-    def read(mode: str) -> dict:
-        done = subprocess.run([sys.executable, "-c", READ_CHUNKS, mode], capture_output=True, text=True, check=True)
-        return json.loads(done.stdout)
-
-    default, reuse = read("default"), read("reuse")
-    if default["faults"] < 1000:
-        pytest.skip(f"this allocator already reuses freed memory ({default['faults']} page faults in 8 chunks)")
-    # A tenth: reusing, 8 chunks fault in 0-10 pages, now and then 130-260 (a thread's first use of its stack,
-    # say); not reusing, 4,000-5,400.
-    assert reuse["faults"] < default["faults"] // 10
-    assert reuse["peak"] <= default["peak"] + 16  # MB: kept memory is reused, not piled up
 
 
 # --- Inputs: FIFOs and devices, crafted state files, weights too large to compute with --------------

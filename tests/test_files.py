@@ -313,3 +313,43 @@ def fine(files, path):
     return files.open("train", 3) + read_text(path, 100, "a")  # aftgen's own open method; the door
 """
     assert [line for _, line in plain_file_calls(snippet)] == [3, 5, 6, 6]
+
+
+def test_a_folder_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path):
+    from aftgen.files import LOCK, locked_folder
+
+    folder, warnings = tmp_path / "run", []
+    folder.mkdir()
+    (folder / LOCK).write_text("4242\n")  # left by a process killed while it wrote the folder
+    with locked_folder(folder, warnings.append):
+        assert warnings == [
+            f"warning: {folder} was locked by process 4242, which ended without unlocking it; taking over"
+        ]
+        assert (folder / LOCK).read_text() == f"{os.getpid()}\n"
+        with pytest.raises(
+            AftgenError, match=rf"{folder} is being written by another aftgen process \(PID {os.getpid()}\)"
+        ):
+            with locked_folder(folder, warnings.append):
+                pytest.fail("a second writer got in")
+        assert (folder / LOCK).read_text() == f"{os.getpid()}\n"  # the refused one left the lock alone
+    assert not (folder / LOCK).exists()
+    with locked_folder(folder, warnings.append):
+        pass
+    assert len(warnings) == 1 and folder.is_dir()  # a lock removed at exit is no dead writer's
+    with locked_folder(tmp_path / "new", warnings.append):
+        assert (tmp_path / "new").is_dir()
+    assert not (tmp_path / "new").exists()  # created for work that never wrote anything
+
+
+def test_atomic_writes_get_the_permissions_a_plain_open_would(tmp_path):
+    from aftgen.files import atomic_write
+
+    umask = os.umask(0o022)
+    try:
+        atomic_write(tmp_path / "new.json", "{}")
+        assert (tmp_path / "new.json").stat().st_mode & 0o777 == 0o644  # not mkstemp's 0600
+        os.chmod(tmp_path / "new.json", 0o640)
+        atomic_write(tmp_path / "new.json", "[]")  # replacing keeps the file's own permissions
+        assert (tmp_path / "new.json").stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(umask)
