@@ -159,12 +159,8 @@ def tiny_run(tmp_path_factory, corpus) -> Path:
 
 @pytest.fixture(scope="module")
 def url(tiny_run) -> Iterator[str]:
-    """The module's server; when it stops, its engine's process is gone too (where /proc tells)."""
-    from serving import engine_processes, running, wait_for
+    """The module's server (tests/serve's modules share one: tests/serve/conftest.py)."""
+    from serving import watched
 
-    tracked = Path("/proc/self/task").exists()
-    before = set(engine_processes()) if tracked else set()
-    with running(tiny_run) as base:
-        children = set(engine_processes()) - before if tracked else set()
+    with watched(tiny_run) as base:
         yield base
-    wait_for(lambda: not children & set(engine_processes() if tracked else []))

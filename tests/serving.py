@@ -68,6 +68,17 @@ def running(model_dir, in_process: bool = False, **changes) -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def watched(model_dir) -> Iterator[str]:
+    """running(model_dir); when it stops, its engine's process is gone too (where /proc tells)."""
+    tracked = Path("/proc/self/task").exists()
+    before = set(engine_processes()) if tracked else set()
+    with running(model_dir) as base:
+        children = set(engine_processes()) - before if tracked else set()
+        yield base
+    wait_for(lambda: not children & set(engine_processes() if tracked else []))
+
+
+@contextlib.contextmanager
 def serving(options: ServeOptions, engine: Engine | EngineProcess | None) -> Iterator[str]:
     """prepare(options, engine)'s server, run in a thread until the block ends; yields its base URL."""
     server, sock, url = prepare(options, engine)
