@@ -26,7 +26,6 @@ from aftgen.generation.controls import SamplingOptions
 from aftgen.generation.loop import generate
 from aftgen.generation.prompt import read_prompt
 from aftgen.model import AFTLM
-from aftgen.serve.schema import APIError, structured_outputs
 from aftgen.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
@@ -130,14 +129,6 @@ def test_a_constraint_that_cannot_be_compiled_or_followed_is_a_400_naming_its_fi
     reply = post(url, "/v1/completions", json=dict(prompt="KING:", max_tokens=4, **field))
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
-
-
-def test_a_choice_past_llguidance_s_row_is_refused_before_anything_runs():
-    """A choice is one row of llguidance's parser, one item a string and one more: 2,000 items at most."""
-    with pytest.raises(APIError) as refused:
-        structured_outputs("structured_outputs", {"choice": [f"w{i}" for i in range(2001)]})
-    assert refused.value.status == 400 and refused.value.param == "structured_outputs.choice"
-    assert structured_outputs("structured_outputs", {"choice": [f"w{i}" for i in range(1999)]}).kind == "choice"
 
 
 @pytest.mark.parametrize("stream", [False, True])

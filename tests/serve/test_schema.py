@@ -24,7 +24,7 @@ from aftgen.generation.controls import CONTROLS, GREEDY_BELOW, Control, Sampling
 from aftgen.serve.app import Server
 from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
-from aftgen.serve.schema import IGNORED, NEUTRAL, APIError, parse_request, sampling_fields
+from aftgen.serve.schema import IGNORED, NEUTRAL, APIError, parse_request, sampling_fields, structured_outputs
 from aftgen.serve.work import Done, Failed, Finished, Text, Work
 from aftgen.tokenizer import Tokenizer
 
@@ -272,3 +272,11 @@ def test_a_prompt_whose_bytes_cannot_fit_is_refused_before_it_is_tokenized(tiny_
         parse_request(body("KING " * 180_000), chat, options, tokenizer, "tiny")
     assert encoded == [] and refused.value.code == "context_length_exceeded"
     assert refused.value.param == ("messages" if chat else "prompt")
+
+
+def test_a_choice_past_llguidance_s_row_is_refused_before_anything_runs():
+    """A choice is one row of llguidance's parser, one item a string and one more: 2,000 items at most."""
+    with pytest.raises(APIError) as refused:
+        structured_outputs("structured_outputs", {"choice": [f"w{i}" for i in range(2001)]})
+    assert refused.value.status == 400 and refused.value.param == "structured_outputs.choice"
+    assert structured_outputs("structured_outputs", {"choice": [f"w{i}" for i in range(1999)]}).kind == "choice"
