@@ -1,15 +1,22 @@
-"""aftgen.serve.server: `aftgen serve` as a user runs it."""
+"""aftgen.serve.server: `aftgen serve` as a user runs it, the socket it listens on, its connection cap and the
+name it gives the model."""
 
 from __future__ import annotations
 
 import functools
 import re
+import resource
 import signal
+import socket
 import subprocess
 import sys
 
 import httpx
 import pytest
+
+from aftgen.errors import AftgenError
+from aftgen.serve import server
+from aftgen.serve.options import MAX_CONNECTIONS
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
@@ -33,3 +40,25 @@ def test_ctrl_c_stops_aftgen_serve_saying_only_that(tiny_run):
     finally:
         server.kill()
     assert server.returncode == 130 and rest == "interrupted\n", rest
+
+
+def test_a_port_already_taken_is_one_error_naming_it():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(AftgenError, match=f"cannot listen on 127.0.0.1:{port}: "):
+            server.listening_socket("127.0.0.1", port)
+    with server.listening_socket("::1" if socket.has_ipv6 else "127.0.0.1", 0) as free:
+        assert free.getsockname()[1] > 0
+
+
+def test_the_connection_cap_leaves_descriptors_for_the_process_and_a_burst(monkeypatch):
+    assert server.connection_cap(7) == 7  # --max-connections as given
+    for soft, cap in ((4096, 4096 - 192), (100, 1), (resource.RLIM_INFINITY, MAX_CONNECTIONS.high)):
+        monkeypatch.setattr(resource, "getrlimit", lambda kind, soft=soft: (soft, resource.RLIM_INFINITY))
+        assert server.connection_cap(None) == cap
+
+
+def test_the_model_is_named_by_its_folder_or_as_given(tmp_path):
+    (tmp_path / "my-model").mkdir()
+    assert server.model_name(str(tmp_path / "my-model")) == "my-model"
+    assert server.model_name("someone/aft-model") == "someone/aft-model"  # a Hub id
