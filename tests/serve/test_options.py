@@ -26,7 +26,7 @@ def test_every_serve_option_is_declared_once_and_read_by_the_cli_and_the_referen
     by_name = {parameter.name: parameter for parameter in command.params}
     for name, (_, default, declaration) in declared.items():
         assert by_name[name].default == default and by_name[name].help == declaration.help, name
-    reference = (Path(__file__).parent.parent / "docs" / "reference.md").read_text(encoding="utf-8")
+    reference = (Path(__file__).parents[2] / "docs" / "reference.md").read_text(encoding="utf-8")
     table = aftgen.options.reference_table(ServeOptions)
     assert table in reference, "docs/reference.md's serve options table is not the declaration's:\n" + table
 
