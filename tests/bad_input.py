@@ -26,9 +26,10 @@ def assert_one_error(result, message: str) -> None:
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and re.search(message, lines[0]), result.stderr
+    assert "Traceback" not in result.output
 
 
-def _retensor(change):
+def retensor(change):
     def edit(folder: Path) -> None:
         save_file(change(load_file(folder / WEIGHTS)), folder / WEIGHTS)
 

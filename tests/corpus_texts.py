@@ -1,16 +1,11 @@
-"""Texts and folders the corpus tests prepare, and the command line they prepare them through."""
+"""Texts and folders the corpus tests prepare."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from conftest import make_corpus
-from typer.testing import CliRunner
 
-from aftgen.cli import app
-
-runner = CliRunner()
 # Tiny chunks and pieces, so that every text below is cut many times.
 TINY = dict(vocab_size=300, chunk_chars=997, piece_chars=61, workers=2)
 ODD = "  double  spaces,\ttabs,\r\nwindows lines, \u2581 meta, \ue000 escape, caf\u00e9, \u65e5\u672c, \U0001f600 "
@@ -37,14 +32,3 @@ def make_folder(root: Path, files: int = 30) -> Path:
     write_text(root / ".hidden" / "secret.txt", "never read")
     write_text(root / "notes.md", make_corpus(2000, seed=99))
     return root
-
-
-def invoke(*args) -> object:
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def assert_one_error(result, message: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and re.search(message, lines[0]), result.stderr
-    assert "Traceback" not in result.output

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bad_input import JSON, _retensor, assert_one_error, invoke
+from bad_input import JSON, assert_one_error, invoke, retensor
 from conftest import make_corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -63,13 +63,13 @@ CHECKPOINT_CASES = {
     "corrupt weights header": (_write(WEIGHTS, _flip_header), "truncated or corrupt"),
     "empty weights": (_write(WEIGHTS, b""), "truncated or corrupt"),
     "misshapen tensor": (
-        _retensor(lambda t: t | {"embed.weight": t["embed.weight"][:, :16].contiguous()}),
+        retensor(lambda t: t | {"embed.weight": t["embed.weight"][:, :16].contiguous()}),
         "config.json needs",
     ),
-    "extra tensor": (_retensor(lambda t: t | {"lm_head.weight": t["embed.weight"].clone()}), "unexpected"),
-    "missing tensor": (_retensor(lambda t: {k: v for k, v in t.items() if k != "ln_out.bias"}), "missing"),
-    "integer tensor": (_retensor(lambda t: t | {"ln_out.bias": t["ln_out.bias"].int()}), "torch.int32"),
-    "NaN weights": (_retensor(lambda t: t | {"ln_out.bias": t["ln_out.bias"] * float("nan")}), "NaN or inf"),
+    "extra tensor": (retensor(lambda t: t | {"lm_head.weight": t["embed.weight"].clone()}), "unexpected"),
+    "missing tensor": (retensor(lambda t: {k: v for k, v in t.items() if k != "ln_out.bias"}), "missing"),
+    "integer tensor": (retensor(lambda t: t | {"ln_out.bias": t["ln_out.bias"].int()}), "torch.int32"),
+    "NaN weights": (retensor(lambda t: t | {"ln_out.bias": t["ln_out.bias"] * float("nan")}), "NaN or inf"),
     "config not JSON": (_write(CONFIG, b"{not json"), "not valid JSON"),
     "config not UTF-8": (_write(CONFIG, b"\xff\xfe{}"), "not valid JSON"),
     "config deeply nested": (_write(CONFIG, b"[" * 100_000), "not valid JSON"),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bad_input import JSON, _retensor, assert_one_error, invoke
+from bad_input import JSON, assert_one_error, invoke, retensor
 from conftest import DEVICE, make_corpus, train_tiny
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -718,7 +718,7 @@ def test_weights_too_large_to_compute_with_are_one_error(tmp_path, tiny_run, cor
     """Finite weights (all 1e30) pass the loader's NaN check; the scores and losses they give do not."""
     folder = tmp_path / "model"
     shutil.copytree(tiny_run, folder)
-    _retensor(lambda tensors: {name: torch.full_like(t, 1e30) for name, t in tensors.items()})(folder)
+    retensor(lambda tensors: {name: torch.full_like(t, 1e30) for name, t in tensors.items()})(folder)
     model = ["--model", folder, "--device", DEVICE]
     assert_one_error(invoke("eval", corpus, *model), "loss is NaN or infinite by token .*: its weights are damaged")
     assert_one_error(invoke("sample", *model, "-p", "KING:", "-n", "4"), "NaN or infinite.*damaged")

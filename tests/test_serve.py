@@ -32,10 +32,6 @@ from aftgen.state import load_state
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
-
-
-
-
 def test_completions_and_chat_through_the_openai_client(url, tiny_run):
     api = client(url)
     assert [m.id for m in api.models.list().data] == [tiny_run.name]
@@ -114,40 +110,6 @@ def test_seeded_request_gives_the_same_text_alone_and_among_eight_others(url, ti
             for stream in [mine, *others]:
                 stream.close()
         assert "".join(pieces).startswith(text)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 SOAK_SECONDS = float(os.environ.get("AFTGEN_SOAK_SECONDS", "12"))
@@ -229,26 +191,6 @@ def test_soak_32_streaming_clients_leave_no_stream_cut_short_and_memory_flat(tin
         load_state(path, model, tokenizer)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def test_extreme_sampling_settings_stop_no_other_stream(url):
     """Issue 36's reproduction, while a stream and a session's streamed turn run: a repeat penalty of 1e-300
     is a 400 naming it, a temperature of 1e-39 with a penalty samples, and one of 1e-300 or 5e-324 is
@@ -270,9 +212,3 @@ def test_extreme_sampling_settings_stop_no_other_stream(url):
         for other in others:
             assert len(other.texts(20)) == 20  # texts() reads choices: an error event would fail here
             other.close()
-
-
-
-
-
-

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bad_input import invoke
 from conftest import make_corpus
-from corpus_texts import corpus_text, invoke, write_text
+from corpus_texts import corpus_text, write_text
 
 from aftgen.corpus import CorpusOptions, prepare_corpus
 from aftgen.corpus import cache as corpus_cache

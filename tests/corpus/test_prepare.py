@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from corpus_texts import TINY, corpus_text, invoke, make_folder, quiet, write_text
+from bad_input import invoke
+from corpus_texts import TINY, corpus_text, make_folder, quiet, write_text
 
 from aftgen.corpus import CorpusOptions, prepare_corpus
 from aftgen.corpus import cache as corpus_cache

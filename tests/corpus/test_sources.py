@@ -7,8 +7,9 @@ import re
 from pathlib import Path
 
 import pytest
+from bad_input import assert_one_error, invoke
 from conftest import make_corpus
-from corpus_texts import assert_one_error, invoke, make_folder
+from corpus_texts import make_folder
 
 
 def bad_files() -> dict[str, bytes]:

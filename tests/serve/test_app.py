@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
-import socket
-import urllib.parse
 from collections.abc import Iterator
 
 import httpx
@@ -17,15 +14,11 @@ from conftest import DEVICE
 from serving import (
     AUTH,
     KEY,
-    LONG,
-    Stream,
     assert_openai_error,
-    busy_slots,
     client,
     health,
     library_text,
     post,
-    running,
     server_options,
     serving,
     slow_compile,
@@ -40,27 +33,6 @@ from aftgen.serve.engine import Engine
 from aftgen.serve.options import ServeOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
-
-
-def test_queued_requests_wait_and_a_disconnect_frees_the_slot_at_once(tiny_run):
-    with running(tiny_run, parallel=1, queue=1) as url, httpx.Client(timeout=60) as http:
-        stream = Stream(http, url, "KING:", LONG)
-        stream.texts(1)
-        waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
-            post, url, "/v1/completions", json={"prompt": "x", "max_tokens": 2}
-        )
-        wait_for(lambda: health(url)["queued"] == 1)
-        refused = post(url, "/v1/completions", json={"prompt": "x", "max_tokens": 2})
-        assert refused.status_code == 503 and refused.headers["retry-after"]
-        assert refused.json()["error"]["code"] == "server_overloaded"
-        stream.close()  # the client goes away: the queued request gets the row
-        assert waiting.result().json()["usage"]["completion_tokens"] == 2
-        with socket.create_connection(urllib.parse.urlsplit(url)[1].split(":")) as raw:  # not streaming this time
-            body = json.dumps({"prompt": "KING:", "max_tokens": LONG}).encode()
-            head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-            raw.sendall(f"{head}Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-            wait_for(lambda: health(url)["slots_busy"] == 1)
-        wait_for(lambda: health(url)["slots_busy"] == 0)
 
 
 def test_errors_get_their_status_in_openai_shape(url):
@@ -82,13 +54,6 @@ def test_errors_get_their_status_in_openai_shape(url):
     with pytest.raises(openai.BadRequestError) as raised:  # the official client reads the shape
         client(url).completions.create(model="x", prompt="x", temperature=9)
     assert "temperature" in str(raised.value)
-
-
-def test_a_request_past_its_time_gets_504(tiny_run):
-    with running(tiny_run, in_process=True, timeout=0.05) as url:
-        error = assert_openai_error(post(url, "/v1/completions", json={"prompt": "x", "max_tokens": LONG}), 504)
-        assert "0.05 s" in error["message"]
-        assert busy_slots(url) == 0
 
 
 @pytest.mark.parametrize(

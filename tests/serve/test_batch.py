@@ -9,7 +9,6 @@ from conftest import DEVICE, on_device
 from aftgen.api import load
 from aftgen.device import resolve
 from aftgen.model import AFTLM, AFTConfig, clone_state
-from aftgen.serve import batch as batch_module
 from aftgen.serve.batch import Batch, CompiledBatchStep
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
@@ -54,8 +53,13 @@ def test_batched_step_matches_each_sequence_alone(mixer):
 def test_a_step_that_cannot_be_compiled_runs_eagerly_with_one_line_on_stderr(tiny_run, monkeypatch, capsys):
     model, _ = load(tiny_run, device=DEVICE)
     note = "eager (compiling the step failed: RuntimeError: no C++ compiler)"
-    monkeypatch.setattr(batch_module, "compile_step", lambda model, rows, batch_invariant: (model.step, note))
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr("aftgen.compiled.step._compiled_step", no_compiler)
     step = CompiledBatchStep(model, 4, resolve(DEVICE, "fp32"))
     assert step.step == model.step
-    assert capsys.readouterr().err.splitlines() == [f"aftgen serve: the batched step: {note}"]
+    said = "the compiled step cannot be used here (RuntimeError: no C++ compiler): the eager step runs"
+    assert capsys.readouterr().err.splitlines() == [f"warning: {said}"]
     assert step.figures() == {"step": "eager", "batch_invariant": False, "step_note": note}

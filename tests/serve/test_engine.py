@@ -10,7 +10,6 @@ import concurrent.futures
 import json
 import random
 import socket
-import threading
 import urllib.parse
 from collections.abc import Iterator
 
@@ -21,7 +20,6 @@ import pytest
 import torch
 from conftest import DEVICE
 from serving import (
-    AUTH,
     KEY,
     LONG,
     PERSON,
@@ -45,12 +43,11 @@ from aftgen.generation.loop import generate
 from aftgen.generation.prompt import PromptReader, read_prompt
 from aftgen.model import tokens_read
 from aftgen.serve import rows as rows_module
-from aftgen.serve import sessions as sessions_module
 from aftgen.serve.batch import Batch, CompiledBatchStep
 from aftgen.serve.engine import TEXT_EVERY, Engine
 from aftgen.serve.options import ServeOptions
 from aftgen.serve.sessions import SUFFIX
-from aftgen.serve.work import Done, Failed, Finished, Started, Text, Ticket, Work
+from aftgen.serve.work import Done, Failed, Finished, Started, Text, Work
 from aftgen.state import load_state
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
@@ -427,80 +424,3 @@ def test_a_session_turn_that_never_finishes_leaves_the_session_as_it_was(tiny_ru
         assert all(torch.equal(layer[name], twin_layer[name]) for name in layer)
     assert torch.equal(mine.generator.get_state(), twins.generator.get_state())
     assert torch.equal(mine.history(), twins.history()) and torch.equal(mine.logits, twins.logits)
-
-
-def test_a_session_file_is_written_off_the_engines_thread(tiny_run, tmp_path, monkeypatch):
-    """A session's file slow to write (a slow disk's fsync): another stream runs to its end meanwhile, the
-    session's turn ends only once its file is written, and its next turn, sent meanwhile (its client may leave
-    before the end), waits for it rather than finding the session busy, then continues it."""
-    model, tokenizer = load(tiny_run, device=DEVICE)
-    release, written = threading.Event(), threading.Event()
-    save = sessions_module.save_state
-
-    def slow_save(*args) -> None:
-        release.wait(10)
-        save(*args)
-        written.set()
-
-    monkeypatch.setattr(sessions_module, "save_state", slow_save)
-    engine = Engine(model, tokenizer, ServeOptions(cache_mb=0, sessions_dir=tmp_path), resolve(DEVICE, "fp32"))
-    events: list = []
-    engine.publish = events.extend
-
-    def done(ticket: Ticket, kinds: tuple = (Done,)) -> bool:
-        return any(owner is ticket and isinstance(event, kinds) for owner, event in events)
-
-    session = engine.submit(Work(tokenizer.encode("KING:"), SamplingOptions(max_new_tokens=2), session="s"))
-    other = engine.submit(Work(tokenizer.encode("QUEEN:"), SamplingOptions(max_new_tokens=30)))
-    while not done(other):
-        engine.turn()
-    assert not written.is_set() and not done(session)
-    then = engine.submit(Work(tokenizer.encode(" and"), SamplingOptions(max_new_tokens=2), session="s"))
-    engine.turn()
-    release.set()
-    while not done(then, (Done, Failed)):
-        engine.turn()
-    assert written.is_set() and done(session) and done(then) and list(engine.sessions.on_disk) == ["s"]
-    started = [event for owner, event in events if owner is then and isinstance(event, Started)]
-    assert [event.prompt_tokens for event in started] == [len(tokenizer.encode(" and"))]  # continued: no BOS
-
-
-def events(url: str, path: str = "/v1/completions", **body) -> list[str]:
-    """Every server-sent event's data of one streaming request, to its end."""
-    with httpx.stream("POST", f"{url}{path}", json=body | {"stream": True}, headers=AUTH, timeout=60) as response:
-        assert response.status_code == 200, response.read()
-        return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-
-
-def test_a_session_that_cannot_be_saved_fails_its_own_request_alone(tiny_run, tmp_path):
-    """A folder where the session's file goes: its stream ends with an error event and [DONE], a whole
-    request gets a 500 naming its file (not the server's folder), an unrelated stream goes on untouched,
-    and the session stays as it was before those turns (a twin that never had them ends in the same state)."""
-    turn = dict(max_tokens=6, temperature=0)
-    with running(tiny_run, in_process=True, sessions_dir=tmp_path) as url, httpx.Client(timeout=60) as http:
-        for name in ("dave", "erin"):
-            assert post(url, "/v1/completions", json={"prompt": "KING:", "session": name} | turn).status_code == 200
-        other = Stream(http, url, "QUEEN:", LONG)
-        other.texts(1)
-        blocked = tmp_path / f"dave{SUFFIX}"
-        blocked.unlink()
-        blocked.mkdir()
-        streamed = events(url, prompt=" and", session="dave", **turn)
-        assert streamed[-1] == "[DONE]"
-        error = json.loads(streamed[-2])["error"]
-        assert error["type"] == "server_error" and "'dave'" in error["message"] and blocked.name in error["message"]
-        whole = assert_openai_error(post(url, "/v1/completions", json={"prompt": " so", "session": "dave"} | turn), 500)
-        assert "'dave'" in whole["message"] and blocked.name in whole["message"]
-        assert str(tmp_path) not in error["message"] + whole["message"]
-        assert len(other.texts(20)) == 20  # no error chunk (texts() reads choices) and no early end
-        other.close()
-        blocked.rmdir()
-        then = {name: post(url, "/v1/completions", json={"prompt": " then", "session": name} | turn).json()
-                for name in ("dave", "erin")}  # fmt: skip
-        assert then["dave"]["choices"] == then["erin"]["choices"]
-    model, tokenizer = load(tiny_run)
-    dave, erin = (load_state(tmp_path / f"{name}{SUFFIX}", model, tokenizer) for name in ("dave", "erin"))
-    assert tokens_read(dave.state) == tokens_read(erin.state)
-    for mine, twin in zip(dave.state, erin.state, strict=True):  # batched with another stream or not: 1e-4
-        for name in mine:
-            torch.testing.assert_close(mine[name], twin[name], rtol=1e-4, atol=1e-4)
