@@ -104,20 +104,20 @@ def kernel_paths() -> list[tuple[int, bool]]:
     """(level, AMX tiles) for each of the product's kernels this machine runs: the vector kernel's levels (base,
     x86-64-v3, v4), with and without the tiles where the machine has them."""
     loaded = library.library()
-    tiles = loaded.aftgen_rowdot_use(-1, 1) == 0  # the machine's own kernels: what every other test runs
-    return [(level, amx) for level in range(loaded.aftgen_rowdot_levels()) for amx in {False, tiles}]
+    tiles = loaded.aftgen_matmul_rows_use(-1, 1) == 0  # the machine's own kernels: what every other test runs
+    return [(level, amx) for level in range(loaded.aftgen_matmul_rows_levels()) for amx in {False, tiles}]
 
 
 @contextlib.contextmanager
 def kernels_used(level: int, amx: bool) -> Iterator[None]:
     """Every product, the step packages' too, through the vector kernel of `level` and the tiles or not."""
     loaded = library.library()
-    assert loaded.aftgen_rowdot_use(level, amx) == 0
+    assert loaded.aftgen_matmul_rows_use(level, amx) == 0
     try:
         yield
     finally:
-        if loaded.aftgen_rowdot_use(-1, 1) != 0:  # the machine's own again: AMX where it has it
-            loaded.aftgen_rowdot_use(-1, 0)
+        if loaded.aftgen_matmul_rows_use(-1, 1) != 0:  # the machine's own again: AMX where it has it
+            loaded.aftgen_matmul_rows_use(-1, 0)
 
 
 @pytest.mark.parametrize("weights", [*WEIGHTS, *STORED])

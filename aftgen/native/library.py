@@ -2,9 +2,9 @@
 aftgen's cache, and loaded with the C signatures of what it exports.
 
 It is built with the C++ compiler that compiles the step (Inductor's) into aftgen's cache on first use, a
-second or two, and loaded with its symbols global: a step package calls `aoti_torch_cpu_rowdot` through
-AOTInductor's custom-op shims (aftgen.native.matmul_rows.SHIM). The exported C names keep the product's first
-name, rowdot: the step packages in every cache call it by that name.
+second or two, and loaded with its symbols global: a step package calls `aoti_torch_cpu_matmul_rows` through
+AOTInductor's custom-op shims (aftgen.native.matmul_rows.SHIM), named for the op: `aftgen::matmul_rows` is
+called as `aoti_torch_cpu_matmul_rows`.
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ class NativeUnavailable(AftgenError):
 @functools.cache
 def library() -> ctypes.CDLL:
     """The native library, built into aftgen's cache if it is not there intact, and loaded with its symbols
-    global (step packages resolve `aoti_torch_cpu_rowdot` from it)."""
+    global (step packages resolve `aoti_torch_cpu_matmul_rows` from it)."""
     loaded = ctypes.CDLL(str(library_path()), mode=ctypes.RTLD_GLOBAL)
-    loaded.aftgen_rowdot.restype = None
-    loaded.aftgen_rowdot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
-    loaded.aftgen_rowdot_kernel.restype = ctypes.c_char_p
-    loaded.aftgen_rowdot_kernel.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    loaded.aftgen_matmul_rows.restype = None
+    loaded.aftgen_matmul_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                          ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
+    loaded.aftgen_matmul_rows_kernel.restype = ctypes.c_char_p
+    loaded.aftgen_matmul_rows_kernel.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     loaded.aftgen_top_scores.restype = ctypes.c_int
     loaded.aftgen_top_scores.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                          ctypes.c_int, ctypes.c_void_p]  # fmt: skip

@@ -250,7 +250,7 @@ VectorProduct at_level(int level) {
 }
 
 const int LEVELS = machine_levels();
-// The machine's highest level, unless a test asks for a lower one (aftgen_rowdot_use).
+// The machine's highest level, unless a test asks for a lower one (aftgen_matmul_rows_use).
 VectorProduct VECTOR_PRODUCT = at_level(LEVELS - 1);
 
 #if defined(__x86_64__)
@@ -275,7 +275,7 @@ bool cpu_has_amx_bf16() {
 }
 
 const bool HAS_AMX = cpu_has_amx_bf16();
-bool USE_AMX = HAS_AMX;  // unless a test leaves the tiles out (aftgen_rowdot_use)
+bool USE_AMX = HAS_AMX;  // unless a test leaves the tiles out (aftgen_matmul_rows_use)
 
 // x (M, K) as B tiles, one per (input block, row block): tile[p][2 m + j] = bf16(x[row0 + m][k0 + 2 p + j]),
 // rows past M zero (an even number of row blocks). Laid out tiles[k_block][m_block][16 * 32].
@@ -345,7 +345,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_product(const float* x, in
 extern "C" {
 
 // Which kernel a w of this dtype and shape goes through on this machine: "amx" or "vector".
-const char* aftgen_rowdot_kernel(int w_is_bf16, int64_t N, int64_t K) {
+const char* aftgen_matmul_rows_kernel(int w_is_bf16, int64_t N, int64_t K) {
 #if defined(__x86_64__)
     if (w_is_bf16 && USE_AMX && K % TILE_INPUTS == 0 && N >= TILE) return "amx";
 #endif
@@ -353,12 +353,12 @@ const char* aftgen_rowdot_kernel(int w_is_bf16, int64_t N, int64_t K) {
     return "vector";
 }
 
-// How many levels of the vector kernel this machine runs (aftgen_rowdot_use's levels 0 .. this - 1).
-int aftgen_rowdot_levels() { return LEVELS; }
+// How many levels of the vector kernel this machine runs (aftgen_matmul_rows_use's levels 0 .. this - 1).
+int aftgen_matmul_rows_levels() { return LEVELS; }
 
 // For tests: every later product, the step packages' too, through the vector kernel of `level` (-1: the machine's
 // highest) and the AMX tiles or not. Returns 0, or -1 where this machine cannot run that level or has no tiles.
-int aftgen_rowdot_use(int level, int amx) {
+int aftgen_matmul_rows_use(int level, int amx) {
     if (level < -1 || level >= LEVELS) return -1;
 #if defined(__x86_64__)
     if (amx && !HAS_AMX) return -1;
@@ -371,12 +371,12 @@ int aftgen_rowdot_use(int level, int amx) {
 }
 
 // y (M, N) = x (M, K) @ w (N, K)^T, w float32 or bf16 (`w_is_bf16`). `vector_only`: skip AMX (for tests).
-void aftgen_rowdot(const float* x, int64_t M, int64_t K, const void* w, int w_is_bf16, int64_t N, float* y,
+void aftgen_matmul_rows(const float* x, int64_t M, int64_t K, const void* w, int w_is_bf16, int64_t N, float* y,
                    int vector_only) {
     int64_t vector_from = 0;
 #if defined(__x86_64__)
     std::vector<float> x_in_bf16;
-    if (!vector_only && std::strcmp(aftgen_rowdot_kernel(w_is_bf16, N, K), "amx") == 0) {
+    if (!vector_only && std::strcmp(aftgen_matmul_rows_kernel(w_is_bf16, N, K), "amx") == 0) {
         amx_product(x, M, K, static_cast<const uint16_t*>(w), N, y);
         vector_from = N - N % TILE;  // the last outputs, fewer than a tile: x rounded as the tiles round it
         if (vector_from < N) {
@@ -390,7 +390,7 @@ void aftgen_rowdot(const float* x, int64_t M, int64_t K, const void* w, int w_is
 }
 
 // The package's call (AOTInductor's custom-op shim, aot_inductor.custom_ops_to_c_shims): a new y for x and w.
-AOTITorchError aoti_torch_cpu_rowdot(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
+AOTITorchError aoti_torch_cpu_matmul_rows(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
     int64_t *x_sizes, *w_sizes, *x_strides, *w_strides, x_dim, w_dim;
     int32_t x_dtype, w_dtype;
     aoti_torch_get_dim(x, &x_dim);
@@ -417,7 +417,7 @@ AOTITorchError aoti_torch_cpu_rowdot(AtenTensorHandle x, AtenTensorHandle w, Ate
                                                     aoti_torch_device_type_cpu(), 0, &y);
     if (error) return error;
     aoti_torch_get_data_ptr(y, &y_data);
-    aftgen_rowdot(static_cast<const float*>(x_data), M, K, w_data, w_is_bf16, N, static_cast<float*>(y_data), 0);
+    aftgen_matmul_rows(static_cast<const float*>(x_data), M, K, w_data, w_is_bf16, N, static_cast<float*>(y_data), 0);
     *ret0 = y;
     return AOTI_TORCH_SUCCESS;
 }

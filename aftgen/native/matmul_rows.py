@@ -22,18 +22,18 @@ import torch
 from aftgen.native.library import library
 
 # How a step package calls it (AOTInductor's custom-op shims): the C declaration of matmul_rows.cpp's entry point.
-SHIM = "AOTITorchError aoti_torch_cpu_rowdot(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
+SHIM = "AOTITorchError aoti_torch_cpu_matmul_rows(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0)"
 
 
 def bf16_tiles() -> bool:
     """Whether bf16 weights multiply in AMX tiles here (else widened to float32 as they are read)."""
-    return library().aftgen_rowdot_kernel(True, 16, 32) == b"amx"
+    return library().aftgen_matmul_rows_kernel(True, 16, 32) == b"amx"
 
 
 def kernel(weight: torch.Tensor) -> str:
     """The kernel a weight (N, K) goes through on this machine: "amx" or "vector"."""
     is_bf16 = weight.dtype == torch.bfloat16
-    return library().aftgen_rowdot_kernel(is_bf16, weight.shape[0], weight.shape[1]).decode()
+    return library().aftgen_matmul_rows_kernel(is_bf16, weight.shape[0], weight.shape[1]).decode()
 
 
 @torch.library.custom_op("aftgen::matmul_rows", mutates_args=(), device_types="cpu")
@@ -43,8 +43,9 @@ def matmul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _check_operands(x, weight)
     x, weight = x.contiguous(), weight.contiguous()
     y = x.new_empty(x.shape[0], weight.shape[0])
-    library().aftgen_rowdot(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.dtype == torch.bfloat16,
-                            weight.shape[0], y.data_ptr(), 0)  # fmt: skip
+    bf16 = weight.dtype == torch.bfloat16
+    library().aftgen_matmul_rows(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), bf16, weight.shape[0],
+                                 y.data_ptr(), 0)  # fmt: skip
     return y
 
 

@@ -53,7 +53,7 @@ ROWS = 33
 def vector_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (M, K) @ w (N, K)ᵀ by the vector kernel alone → (M, N)."""
     y = x.new_empty(x.shape[0], w.shape[0])
-    library.library().aftgen_rowdot(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.dtype == torch.bfloat16,
+    library.library().aftgen_matmul_rows(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.dtype == torch.bfloat16,
                                     w.shape[0], y.data_ptr(), 1)  # fmt: skip
     return y
 
