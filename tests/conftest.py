@@ -159,7 +159,7 @@ def tiny_run(tmp_path_factory, corpus) -> Path:
 
 @pytest.fixture(scope="module")
 def url(tiny_run) -> Iterator[str]:
-    """The module's server (tests/serve's modules share one: tests/serve/conftest.py)."""
+    """The module's server."""
     from serving import watched
 
     with watched(tiny_run) as base:
